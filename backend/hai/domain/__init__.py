@@ -1,0 +1,1 @@
+"""Pure domain code: stdlib, dataclasses and pydantic only (a test enforces it)."""

@@ -1,0 +1,31 @@
+"""Pure scheduling: snapshot in, decisions out, ``now`` passed in."""
+
+from hai.domain.scheduler.core import schedule
+from hai.domain.scheduler.model import (
+    Allocation,
+    Decisions,
+    Demote,
+    NodeView,
+    Policy,
+    QueuedJob,
+    Quota,
+    RunningJob,
+    Snapshot,
+    Start,
+    Suspend,
+)
+
+__all__ = [
+    "Allocation",
+    "Decisions",
+    "Demote",
+    "NodeView",
+    "Policy",
+    "QueuedJob",
+    "Quota",
+    "RunningJob",
+    "Snapshot",
+    "Start",
+    "Suspend",
+    "schedule",
+]

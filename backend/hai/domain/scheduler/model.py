@@ -1,0 +1,138 @@
+"""The scheduler's input (Snapshot) and output (Decisions).
+
+One cycle: the service reads a Snapshot in one go, calls ``schedule(snapshot, policy, now)``
+and persists the Decisions in one transaction. The snapshot is never mutated by planning.
+All times are seconds (floats, epoch or virtual clock: the domain does not care).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from hai.domain.jobs import JobState, Priority
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    zone: str
+    leaf: str
+    gpus: int  # total GPUs on the node
+    free_gpus: tuple[int, ...]  # indices of GPUs not held by any active job, sorted
+    schedulable: bool = True  # False when draining, drained, unhealthy or lost
+
+
+@dataclass(frozen=True)
+class Allocation:
+    node: str
+    gpus: tuple[int, ...]  # GPU indices on that node
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job that holds GPUs now (starting, running or suspending)."""
+
+    id: int
+    user: str
+    group: str
+    priority: Priority  # effective priority now (after any demotion)
+    nodes: int
+    gpus_per_node: int
+    allocations: tuple[Allocation, ...]
+    state: JobState
+    started_at: float  # start of the current attempt
+    first_submitted_at: float  # FIFO key, kept across suspensions
+    submitted_priority: Priority | None = None  # what the user asked for (ABOVE_NORMAL demotion)
+    last_checkpoint_at: float | None = None  # last reported checkpoint in this attempt
+    checkpoint_duration_s: float | None = None
+    allow_cross_zone: bool = False
+    min_runtime_s: float | None = None  # per-job override of the policy's minimum runtime
+    suspend_requested_for: int | None = None  # the queued job this suspension frees GPUs for
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(len(a.gpus) for a in self.allocations)
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    id: int
+    user: str
+    group: str
+    priority: Priority
+    nodes: int
+    gpus_per_node: int
+    first_submitted_at: float  # FIFO key, kept across suspensions
+    queued_at: float  # when it (re-)entered the queue; the waiting time counts from here
+    submitted_priority: Priority | None = None
+    allow_cross_zone: bool = False
+    suspensions: int = 0
+    reserved_nodes: tuple[str, ...] = ()  # nodes being freed for this job by suspensions
+
+    @property
+    def gpu_count(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Quota:
+    group: str
+    priority: Priority
+    gpus: int
+    user: str | None = None  # None: the whole group's quota at that priority
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    nodes: tuple[NodeView, ...]
+    running: tuple[RunningJob, ...] = ()
+    queued: tuple[QueuedJob, ...] = ()
+    quotas: tuple[Quota, ...] = ()
+    # each user's recent GPU usage (GPU-seconds, decayed with the policy's half-life) as of now
+    usage: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Every duration is a setting (HAI_SCHEDULER__*)."""
+
+    min_runtime_s: float = 15 * 60
+    demote_after_s: float = 30 * 60
+    quantum_s: float = 4 * 3600
+    wait_threshold_s: float = 15 * 60
+    usage_half_life_s: float = 3600
+    preemption: bool = True
+    time_sharing: bool = True
+
+
+@dataclass(frozen=True)
+class Start:
+    job_id: int
+    allocations: tuple[Allocation, ...]
+    reason: str  # why this placement was chosen
+
+
+@dataclass(frozen=True)
+class Suspend:
+    job_id: int
+    reason: str
+    for_job_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Demote:
+    job_id: int
+    to: Priority
+    reason: str
+
+
+@dataclass
+class Decisions:
+    starts: list[Start] = field(default_factory=list)
+    suspends: list[Suspend] = field(default_factory=list)
+    demotions: list[Demote] = field(default_factory=list)
+    # queued job id -> nodes reserved for it (the GPUs its victims are freeing)
+    reservations: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # queued job id -> why it is still waiting, in words a person understands
+    pending_reasons: dict[int, str] = field(default_factory=dict)

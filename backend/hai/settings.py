@@ -1,0 +1,78 @@
+"""One Settings class, nested sections, read from the environment with the prefix HAI_ and
+``__`` between section and key (HAI_SCHEDULER__MIN_RUNTIME_S). Nothing is built at import time:
+call ``get_settings()``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class DatabaseSettings(BaseModel):
+    # empty: SQLite under data_dir (embedded default)
+    url: str = ""
+    echo: bool = False
+
+
+class RedisSettings(BaseModel):
+    # empty: no Redis; events and locks stay in-process (embedded mode)
+    url: str = ""
+
+
+class SchedulerSettings(BaseModel):
+    min_runtime_s: float = 15 * 60
+    demote_after_s: float = 30 * 60
+    quantum_s: float = 4 * 3600
+    wait_threshold_s: float = 15 * 60
+    usage_half_life_s: float = 3600
+    interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
+    lock_id: int = 0x4841_4901  # PostgreSQL advisory lock key for the leader
+
+
+class AgentSettings(BaseModel):
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    lost_after_s: float = Field(default=30.0, gt=0, description="a silent node is marked lost")
+    master_port_base: int = 29500
+    default_suspend_grace_s: float = 60.0
+    stop_grace_s: float = 10.0
+
+
+class AuthSettings(BaseModel):
+    # the bootstrap admin token; "changeme" is refused outside development
+    bootstrap_admin_token: str = ""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HAI_", env_nested_delimiter="__", extra="ignore")
+
+    environment: str = "development"  # development | production
+    data_dir: Path = Path(".hai")
+    db: DatabaseSettings = DatabaseSettings()
+    redis: RedisSettings = RedisSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    agent: AgentSettings = AgentSettings()
+    auth: AuthSettings = AuthSettings()
+    # serve the built dashboard from here when it exists
+    frontend_dist: Path | None = None
+    log_retention_days: int = 30
+
+    @model_validator(mode="after")
+    def _refuse_default_secrets(self) -> "Settings":
+        if self.environment != "development" and self.auth.bootstrap_admin_token in {"changeme", "admin"}:
+            raise ValueError("HAI_AUTH__BOOTSTRAP_ADMIN_TOKEN must not be a default value outside development")
+        return self
+
+    @property
+    def database_url(self) -> str:
+        if self.db.url:
+            return self.db.url
+        return f"sqlite:///{(self.data_dir / 'hai.db').resolve()}"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
