@@ -1,0 +1,60 @@
+"""Celery app and thin tasks: ids in, open their own session, call a service, done.
+
+Run with ``celery -A hai.tasks worker --beat``. The broker is HAI_REDIS__URL.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import lru_cache
+
+from celery import Celery
+
+from hai.settings import get_settings
+
+
+class HaiCelery(Celery):
+    """Reads its broker from settings when first configured, not at import time."""
+
+    def on_configure(self) -> None:
+        url = get_settings().redis.url or "redis://127.0.0.1:6379/0"
+        self.conf.update(
+            broker_url=url,
+            result_backend=url,
+            task_acks_late=True,
+            task_reject_on_worker_lost=True,
+            broker_connection_retry_on_startup=True,
+            beat_schedule={
+                "reap-lost-nodes": {"task": "hai.tasks.reap_lost_nodes", "schedule": 10.0},
+                "prune-logs": {"task": "hai.tasks.prune_logs", "schedule": 3600.0},
+            },
+        )
+
+
+app = HaiCelery("hai")
+
+
+@lru_cache
+def _platform():  # one per worker process, built on first use
+    from hai.services.context import Platform
+
+    return Platform.from_settings(get_settings())
+
+
+@app.task(name="hai.tasks.reap_lost_nodes")
+def reap_lost_nodes() -> list[str]:
+    from hai.services.agents import mark_lost_nodes
+
+    platform = _platform()
+    with platform.sessions() as session:
+        return mark_lost_nodes(session=session, settings=platform.settings)
+
+
+@app.task(name="hai.tasks.prune_logs")
+def prune_logs(retention_days: int | None = None) -> int:
+    from hai.services.retention import prune_finished_job_logs
+
+    platform = _platform()
+    days = retention_days if retention_days is not None else platform.settings.log_retention_days
+    with platform.sessions() as session:
+        return prune_finished_job_logs(session=session, older_than=timedelta(days=days))

@@ -1,0 +1,60 @@
+"""Dependencies as Annotated aliases: SessionDep, CurrentUser, AdminUser, AgentPrincipal."""
+
+from __future__ import annotations
+
+from typing import Annotated, Iterator
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from hai.services import auth
+from hai.services.context import Platform
+from hai.services.errors import Forbidden
+
+_bearer = HTTPBearer(auto_error=False, description="an API token (`hai admin create-user` or POST /api/v1/tokens)")
+
+
+def get_platform(request: Request) -> Platform:
+    return request.app.state.platform
+
+
+PlatformDep = Annotated[Platform, Depends(get_platform)]
+
+
+def get_session(platform: PlatformDep) -> Iterator[Session]:
+    with platform.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def _principal(
+    platform: PlatformDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> auth.Principal:
+    with platform.sessions() as session:
+        return auth.authenticate(session=session, secret=creds.credentials if creds else None)
+
+
+def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
+    if principal.kind != "user":
+        raise Forbidden("this endpoint is for users; agent credentials can only act for agents")
+    return principal
+
+
+def _admin(user: Annotated[auth.Principal, Depends(_user)]) -> auth.Principal:
+    if not user.is_admin:
+        raise Forbidden("admins only")
+    return user
+
+
+def _agent(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
+    if principal.kind != "agent":
+        raise Forbidden("agent endpoints need the node credential")
+    return principal
+
+
+CurrentUser = Annotated[auth.Principal, Depends(_user)]
+AdminUser = Annotated[auth.Principal, Depends(_admin)]
+AgentPrincipal = Annotated[auth.Principal, Depends(_agent)]

@@ -1,0 +1,144 @@
+"""`hai dev`: the whole platform in one process tree on embedded SQLite.
+
+API server (uvicorn, this process), scheduler loop (a thread of this process, guarded by the
+same leader lock as `hai scheduler`), and N fake-GPU agents as real child processes, spread
+over two zones with two leaves each.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from hai.db.migrate import upgrade
+from hai.main import create_app
+from hai.services import auth
+from hai.services.context import Platform
+from hai.services.runner import SchedulerLoop
+from hai.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def _read_or_create_secret(path: Path, prefix: str) -> str:
+    if path.exists():
+        value = path.read_text().strip()
+        if value:
+            return value
+    value = prefix + secrets.token_urlsafe(32)
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return value
+
+
+def agent_layout(count: int) -> list[tuple[str, str, str]]:
+    """(node, zone, leaf) for `count` agents: two zones (A, B), two leaves per zone."""
+    out = []
+    for i in range(count):
+        zone = "AB"[i % 2]
+        leaf = f"{zone}{(i // 2) % 2 + 1}"
+        out.append((f"node-{i + 1:02d}", zone, leaf))
+    return out
+
+
+@dataclass
+class DevStack:
+    data_dir: Path
+    port: int
+    host: str = "127.0.0.1"
+    agents: int = 4
+    gpus_per_agent: int = 8
+    settings: Settings | None = None
+    platform: Platform | None = None
+    admin_token: str = ""
+    agent_token: str = ""
+    agent_procs: list[subprocess.Popen] = field(default_factory=list)
+    scheduler: SchedulerLoop | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def prepare(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.settings = self.settings or Settings(data_dir=self.data_dir.resolve())
+        upgrade(self.settings.database_url)
+        self.admin_token = _read_or_create_secret(self.data_dir / "admin-token", auth.TOKEN_PREFIX)
+        self.agent_token = _read_or_create_secret(self.data_dir / "agent-token", auth.AGENT_TOKEN_PREFIX)
+        self.platform = Platform.from_settings(self.settings)
+        with self.platform.sessions() as session:
+            auth.ensure_user_token(session=session, name="admin", group="admin", is_admin=True, secret=self.admin_token)
+            auth.ensure_agent_token(session=session, secret=self.agent_token)
+
+    def start_scheduler(self) -> None:
+        assert self.platform is not None
+        self.scheduler = SchedulerLoop(self.platform)
+        self.scheduler.start_thread()
+
+    def start_agents(self) -> None:
+        env = dict(os.environ)
+        for node, zone, leaf in agent_layout(self.agents):
+            cmd = [
+                sys.executable, "-m", "hai.cli.main", "agent",
+                "--server", self.url, "--token", self.agent_token, "--node", node,
+                "--zone", zone, "--leaf", leaf, "--fake-gpus", str(self.gpus_per_agent),
+                "--state-dir", str((self.data_dir / "agents" / node).resolve()),
+                "--address", "127.0.0.1",
+            ]
+            self.agent_procs.append(subprocess.Popen(cmd, env=env))
+
+    def stop(self) -> None:
+        for p in self.agent_procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.agent_procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.scheduler is not None:
+            self.scheduler.stop.set()
+        if self.platform is not None:
+            self.platform.close()
+
+
+def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", gpus_per_agent: int = 8) -> None:
+    stack = DevStack(data_dir=data_dir, port=port, host=host, agents=agents, gpus_per_agent=gpus_per_agent)
+    stack.prepare()
+    assert stack.platform is not None
+    app = create_app(stack.platform)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    started = threading.Event()
+
+    def _after_start() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            threading.Event().wait(0.05)
+        started.set()
+        stack.start_scheduler()
+        stack.start_agents()
+        banner = (
+            f"\nHAI platform (dev) at {stack.url}  —  dashboard {stack.url}/  API docs {stack.url}/docs\n"
+            f"admin token: {stack.admin_token}\n"
+            f"  (saved in {(data_dir / 'admin-token').resolve()})\n"
+            f"  export HAI_SERVER={stack.url} HAI_TOKEN=$(cat {(data_dir / 'admin-token').resolve()})\n"
+            f"{agents} fake-GPU agent(s), {gpus_per_agent} GPUs each; Ctrl-C stops everything\n"
+        )
+        print(banner, flush=True)
+
+    threading.Thread(target=_after_start, daemon=True).start()
+    try:
+        server.run()
+    finally:
+        stack.stop()

@@ -1,0 +1,196 @@
+"""The `hai` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hai.cli import client
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="HAI platform: GPU-cluster job scheduling")
+admin_app = typer.Typer(no_args_is_help=True, help="administration (talks to the database directly)")
+app.add_typer(admin_app, name="admin")
+client.register(app)
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _settings(data_dir: Path | None = None):  # noqa: ANN202
+    from hai.settings import Settings
+
+    return Settings(data_dir=data_dir) if data_dir is not None else Settings()
+
+
+@app.command()
+def server(
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8080,
+    data_dir: Annotated[Path | None, typer.Option(help="embedded mode: where SQLite lives")] = None,
+    topology: Annotated[Path | None, typer.Option(help="CSV node,gpus,leaf,zone")] = None,
+) -> None:
+    """Run the API server (production: HAI_DB__URL, HAI_REDIS__URL)."""
+    import uvicorn
+
+    from hai.main import create_app
+    from hai.services.context import Platform
+
+    _logging()
+    platform = Platform.from_settings(_settings(data_dir))
+    _bootstrap(platform, topology)
+    uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
+    platform.close()
+
+
+def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
+    from hai.services import auth
+    from hai.services import nodes as node_service
+
+    token = platform.settings.auth.bootstrap_admin_token
+    with platform.sessions() as session:
+        if token:
+            auth.ensure_user_token(session=session, name="admin", group="admin", is_admin=True, secret=token)
+        if topology is not None:
+            node_service.load_topology(session=session, path=topology)
+
+
+@app.command()
+def scheduler(
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Run the scheduler loop (one leader at a time; a second replica waits)."""
+    from hai.services.context import Platform
+    from hai.services.runner import SchedulerLoop
+
+    _logging()
+    platform = Platform.from_settings(_settings(data_dir))
+    loop = SchedulerLoop(platform)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: loop.stop.set())
+    loop.run()
+    platform.close()
+
+
+@app.command()
+def agent(
+    server: Annotated[str, typer.Option(help="the API server's URL")],
+    token: Annotated[str, typer.Option(envvar="HAI_AGENT_TOKEN", help="the node credential")],
+    node: Annotated[str, typer.Option(help="this node's name")],
+    zone: Annotated[str | None, typer.Option()] = None,
+    leaf: Annotated[str | None, typer.Option()] = None,
+    fake_gpus: Annotated[int | None, typer.Option(min=1, max=64, help="use N fake GPUs instead of NVML")] = None,
+    state_dir: Annotated[Path, typer.Option()] = Path("/var/lib/hai-agent"),
+    address: Annotated[str | None, typer.Option(help="address other nodes reach this one at")] = None,
+) -> None:
+    """Run the node agent."""
+    from hai.agent.main import run_agent
+
+    _logging()
+    run_agent(
+        server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
+        state_dir=str(state_dir), address=address,
+    )
+
+
+@app.command()
+def dev(
+    port: Annotated[int, typer.Option()] = 8080,
+    agents: Annotated[int, typer.Option(min=0, max=64)] = 4,
+    data_dir: Annotated[Path, typer.Option()] = Path(".hai"),
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    gpus_per_agent: Annotated[int, typer.Option(min=1, max=8)] = 8,
+) -> None:
+    """API server + scheduler + N fake-GPU agents on embedded SQLite, in one command."""
+    from hai.cli.dev import run_dev
+
+    _logging()
+    run_dev(port=port, agents=agents, data_dir=data_dir, host=host, gpus_per_agent=gpus_per_agent)
+
+
+@app.command()
+def migrate(data_dir: Annotated[Path | None, typer.Option()] = None) -> None:
+    """Bring the database schema up to date (alembic upgrade head)."""
+    from hai.db.migrate import upgrade
+
+    upgrade(_settings(data_dir).database_url)
+    typer.echo("database is at head")
+
+
+@app.command()
+def openapi(out: Annotated[Path | None, typer.Option()] = None) -> None:
+    """Print the OpenAPI schema (the frontend's client is generated from it)."""
+    from hai.main import create_app
+
+    text = json.dumps(create_app().openapi(), indent=2, sort_keys=True) + "\n"
+    if out:
+        out.write_text(text)
+    else:
+        typer.echo(text, nl=False)
+
+
+@admin_app.command("create-user")
+def create_user(
+    name: str,
+    group: Annotated[str, typer.Option()],
+    admin: Annotated[bool, typer.Option("--admin")] = False,
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Create a user; prints their first API token."""
+    from hai.services import auth
+    from hai.services.context import Platform
+    from hai.services.errors import ServiceError
+
+    platform = Platform.from_settings(_settings(data_dir))
+    try:
+        with platform.sessions() as session:
+            _user, secret = auth.create_user(session=session, name=name, group=group, is_admin=admin)
+    except ServiceError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        platform.close()
+    typer.echo(secret)
+
+
+@admin_app.command("create-agent-token")
+def create_agent_token(
+    name: Annotated[str, typer.Option()] = "agents",
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Create a node credential for agents; prints it."""
+    from hai.services import auth
+    from hai.services.context import Platform
+
+    platform = Platform.from_settings(_settings(data_dir))
+    with platform.sessions() as session:
+        typer.echo(auth.create_agent_token(session=session, name=name))
+    platform.close()
+
+
+def _register_sim() -> None:
+    try:
+        from hai.cli import sim as sim_cli
+    except ImportError:  # the simulator module is optional while it is being built
+        return
+    if hasattr(sim_cli, "topology_app"):
+        app.add_typer(sim_cli.topology_app, name="topology")
+    if hasattr(sim_cli, "sim"):
+        app.command("sim")(sim_cli.sim)
+
+
+_register_sim()
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()
+

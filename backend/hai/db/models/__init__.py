@@ -1,0 +1,204 @@
+"""SQLAlchemy 2 typed models. One module; import from here."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column, relationship
+
+from hai.db.base import Base, UTCDateTime, utcnow
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    group: Mapped[str] = mapped_column(String(64))
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer credential. Only a hash is stored; the secret is shown once."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), default="user")  # user | agent
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), nullable=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    user: Mapped[User | None] = relationship(lazy="joined")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    zone: Mapped[str] = mapped_column(String(64), default="default")
+    leaf: Mapped[str] = mapped_column(String(64), default="default")
+    gpus: Mapped[int] = mapped_column(Integer, default=0)
+    # ready | draining | drained | unhealthy | lost
+    state: Mapped[str] = mapped_column(String(16), default="ready")
+    address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
+    fake_gpus: Mapped[bool] = mapped_column(Boolean, default=False)
+    gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    gpu_metrics: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    nics: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    agent_version: Mapped[str] = mapped_column(String(32), default="")
+    protocol_version: Mapped[int] = mapped_column(Integer, default=1)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    state_reason: Mapped[str] = mapped_column(String(512), default="")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_state_priority", "state", "priority"), Index("ix_jobs_user_name", "user_name"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    user_name: Mapped[str] = mapped_column(String(64))
+    group: Mapped[str] = mapped_column(String(64))
+    command: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    tags: Mapped[list[str]] = mapped_column(JSON, default=list)
+    job_type: Mapped[str] = mapped_column(String(16), default="command")
+    nodes: Mapped[int] = mapped_column(Integer, default=1)
+    gpus_per_node: Mapped[int] = mapped_column(Integer, default=8)
+    priority: Mapped[str] = mapped_column(String(16), default="NORMAL")  # effective
+    submitted_priority: Mapped[str] = mapped_column(String(16), default="NORMAL")
+    allow_cross_zone: Mapped[bool] = mapped_column(Boolean, default=False)
+    max_runtime_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    suspend_grace_s: Mapped[float] = mapped_column(Float, default=60.0)
+    log_watchdog_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    # lifecycle; written only by services.jobs.transition
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    queued_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    attempt_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)  # 0 until first start
+    suspensions: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)  # non-suspension restarts (node lost)
+
+    # scheduler outputs
+    pending_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    placement_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    reserved_nodes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    master_addr: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    master_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    # suspension / stop protocol
+    desired_action: Mapped[str] = mapped_column(String(16), default="run")  # run | suspend | stop
+    stop_target_state: Mapped[str | None] = mapped_column(String(16), nullable=True)  # after stop
+    suspend_for_job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    suspend_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    user_suspended: Mapped[bool] = mapped_column(Boolean, default=False)  # held by its owner
+
+    # reported by the job through the SDK
+    last_checkpoint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    lost_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    run_s: Mapped[float] = mapped_column(Float, default=0.0)  # sum over finished attempts
+
+    events: Mapped[list["JobEvent"]] = relationship(
+        back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", lazy="selectin"
+    )
+    # every attempt's allocations; ``active`` ones hold GPUs now
+    allocations: Mapped[list["JobAllocation"]] = relationship(
+        back_populates="job", order_by="(JobAllocation.attempt, JobAllocation.node_rank)", lazy="selectin",
+        cascade="all, delete-orphan",
+    )
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+class JobAllocation(Base):
+    """GPUs of one node held by one attempt of a job. ``active`` until the attempt releases them."""
+
+    __tablename__ = "job_allocations"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_allocations_rank"),
+        Index("ix_job_allocations_node_active", "node_name", "active"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_name: Mapped[str] = mapped_column(String(128))
+    node_rank: Mapped[int] = mapped_column(Integer)
+    gpus: Mapped[list[int]] = mapped_column(JSON)
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    # the agent's last report for this attempt on this node (AttemptStatus)
+    status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    released_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    job: Mapped[Job] = relationship(back_populates="allocations")
+
+
+class LogLine(Base):
+    __tablename__ = "log_lines"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "rank", "seq", name="uq_log_lines_position"),
+        Index("ix_log_lines_job_id_id", "job_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
+    stream: Mapped[str] = mapped_column(String(8), default="stdout")
+    line: Mapped[str] = mapped_column(Text)
+
+
+class Quota(Base):
+    __tablename__ = "quotas"
+    __table_args__ = (UniqueConstraint("group", "priority", "user_name", name="uq_quotas_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    group: Mapped[str] = mapped_column(String(64))
+    priority: Mapped[str] = mapped_column(String(16))
+    user_name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    gpus: Mapped[int] = mapped_column(Integer)
+
+
+class UserUsage(Base):
+    """Each user's decayed GPU usage, for time-sharing order (half-life from settings)."""
+
+    __tablename__ = "user_usage"
+
+    user_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+__all__ = ["ApiToken", "Base", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "Quota", "User", "UserUsage"]

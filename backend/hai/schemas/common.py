@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hai.domain.jobs import Priority
+
+
+class UserRead(BaseModel):
+    name: str
+    group: str
+    is_admin: bool
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+
+
+class TokenRead(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+    id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenRead):
+    token: str = Field(description="the secret; shown only once")
+
+
+class GpuRead(BaseModel):
+    index: int
+    uuid: str = ""
+    model: str = ""
+    util_pct: float | None = None
+    memory_used_mib: int | None = None
+    memory_total_mib: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_uncorrected: int | None = None
+
+
+class NodeRead(BaseModel):
+    name: str
+    zone: str
+    leaf: str
+    gpus: int
+    free_gpus: int
+    state: str
+    state_reason: str
+    address: str
+    fake_gpus: bool
+    last_heartbeat_at: datetime | None
+    running_jobs: list[int]
+    gpu_metrics: list[GpuRead]
+
+
+class QuotaItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    group: str = Field(min_length=1, max_length=64)
+    priority: Priority
+    user: str | None = Field(default=None, max_length=64)
+    gpus: int = Field(ge=0)
+
+
+class QuotaList(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[QuotaItem]
+
+
+class Health(BaseModel):
+    status: str
+    database: str

@@ -1,0 +1,128 @@
+"""Users and bearer tokens. Tokens are random 256-bit secrets; only their SHA-256 is stored
+(like GitHub's personal access tokens), shown once at creation, revocable."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hai.db.base import utcnow
+from hai.db.models import ApiToken, User
+from hai.services.errors import Conflict, Forbidden, Invalid, NotFound, Unauthorized
+
+TOKEN_PREFIX = "hai_"
+AGENT_TOKEN_PREFIX = "haiagent_"
+
+
+@dataclass(frozen=True)
+class Principal:
+    kind: str  # user | agent
+    user_id: int | None = None
+    name: str = ""
+    group: str = ""
+    is_admin: bool = False
+    token_id: int | None = None
+
+
+def hash_token(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _new_secret(prefix: str) -> str:
+    return prefix + secrets.token_urlsafe(32)
+
+
+def _store_token(session: Session, *, secret: str, kind: str, user_id: int | None, name: str) -> ApiToken:
+    token = ApiToken(kind=kind, user_id=user_id, name=name, token_hash=hash_token(secret), prefix=secret[:12])
+    session.add(token)
+    session.flush()
+    return token
+
+
+def create_user(*, session: Session, name: str, group: str, is_admin: bool = False) -> tuple[User, str]:
+    """Create a user and their first token; returns (user, secret)."""
+    if not name or not group:
+        raise Invalid("name", "user name and group must not be empty")
+    if session.scalar(select(User).where(User.name == name)) is not None:
+        raise Conflict(f"user '{name}' already exists")
+    user = User(name=name, group=group, is_admin=is_admin)
+    session.add(user)
+    session.flush()
+    secret = _new_secret(TOKEN_PREFIX)
+    _store_token(session, secret=secret, kind="user", user_id=user.id, name="initial")
+    session.commit()
+    return user, secret
+
+
+def ensure_user_token(*, session: Session, name: str, group: str, is_admin: bool, secret: str) -> User:
+    """Make sure ``name`` exists and ``secret`` is one of its tokens (dev mode and bootstrap)."""
+    user = session.scalar(select(User).where(User.name == name))
+    if user is None:
+        user = User(name=name, group=group, is_admin=is_admin)
+        session.add(user)
+        session.flush()
+    if session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))) is None:
+        _store_token(session, secret=secret, kind="user", user_id=user.id, name="bootstrap")
+    session.commit()
+    return user
+
+
+def ensure_agent_token(*, session: Session, secret: str, name: str = "agents") -> None:
+    if session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(secret))) is None:
+        _store_token(session, secret=secret, kind="agent", user_id=None, name=name)
+        session.commit()
+
+
+def create_agent_token(*, session: Session, name: str = "agents") -> str:
+    secret = _new_secret(AGENT_TOKEN_PREFIX)
+    _store_token(session, secret=secret, kind="agent", user_id=None, name=name)
+    session.commit()
+    return secret
+
+
+def create_token(*, session: Session, principal: Principal, name: str) -> tuple[ApiToken, str]:
+    if principal.kind != "user" or principal.user_id is None:
+        raise Forbidden("only users can create personal tokens")
+    secret = _new_secret(TOKEN_PREFIX)
+    token = _store_token(session, secret=secret, kind="user", user_id=principal.user_id, name=name)
+    session.commit()
+    return token, secret
+
+
+def list_tokens(*, session: Session, principal: Principal) -> list[ApiToken]:
+    return list(
+        session.scalars(
+            select(ApiToken).where(ApiToken.user_id == principal.user_id).order_by(ApiToken.id)
+        )
+    )
+
+
+def revoke_token(*, session: Session, principal: Principal, token_id: int) -> ApiToken:
+    token = session.get(ApiToken, token_id)
+    if token is None or token.kind != "user":
+        raise NotFound(f"token {token_id} not found")
+    if token.user_id != principal.user_id and not principal.is_admin:
+        raise Forbidden("you can only revoke your own tokens")
+    if token.revoked_at is None:
+        token.revoked_at = utcnow()
+    session.commit()
+    return token
+
+
+def authenticate(*, session: Session, secret: str | None) -> Principal:
+    if not secret:
+        raise Unauthorized("missing bearer token")
+    token = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(secret)))
+    if token is None or token.revoked_at is not None:
+        raise Unauthorized("invalid or revoked token")
+    if token.kind == "agent":
+        return Principal(kind="agent", name=token.name, token_id=token.id)
+    user = token.user
+    assert user is not None
+    return Principal(
+        kind="user", user_id=user.id, name=user.name, group=user.group, is_admin=user.is_admin, token_id=token.id
+    )

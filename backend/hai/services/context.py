@@ -1,0 +1,48 @@
+"""What a running process shares: settings, the engine, sessions and the notifier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from hai.db.session import make_engine, make_session_factory
+from hai.services.notify import Notifier, make_notifier
+from hai.settings import Settings
+
+
+@dataclass
+class Platform:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    notifier: Notifier
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, notifier: Notifier | None = None) -> "Platform":
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        engine = make_engine(settings.database_url, echo=settings.db.echo)
+        notifier = notifier or make_notifier(settings.redis.url)
+        sessions = make_session_factory(engine)
+        _publish_on_commit(sessions, notifier)
+        return cls(settings=settings, engine=engine, sessions=sessions, notifier=notifier)
+
+    def close(self) -> None:
+        self.notifier.close()
+        self.engine.dispose()
+
+
+def _publish_on_commit(sessions: sessionmaker[Session], notifier: Notifier) -> None:
+    """Topics queued with services.jobs.publish_after_commit go out once the data is visible."""
+
+    def after_commit(session: Session) -> None:
+        topics = session.info.pop("notify", None)
+        if topics:
+            notifier.publish(*sorted(topics))
+
+    def after_rollback(session: Session) -> None:
+        session.info.pop("notify", None)
+
+    event.listen(sessions, "after_commit", after_commit)
+    event.listen(sessions, "after_rollback", after_rollback)

@@ -1,0 +1,41 @@
+"""Errors services raise; api/errors.py maps them to HTTP."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status_code = 400
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+
+
+class Forbidden(ServiceError):
+    status_code = 403
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Conflict(ServiceError):
+    status_code = 409
+
+
+class Invalid(ServiceError):
+    """A request that is well-formed but cannot be accepted; reported like a validation error."""
+
+    status_code = 422
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class UnsupportedProtocol(ServiceError):
+    status_code = 426

@@ -1,0 +1,197 @@
+"""Jobs: submission, queries, user actions and the one place that changes a job's state."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from hai.db.base import utcnow
+from hai.db.models import Job, JobAllocation, JobEvent, Node
+from hai.domain.jobs import IllegalTransition, JobState, check_transition
+from hai.schemas.jobs import JobCreate
+from hai.services import notify
+from hai.services.auth import Principal
+from hai.services.errors import Conflict, Forbidden, Invalid, NotFound
+
+def publish_after_commit(session: Session, *topics: str) -> None:
+    """Queue notifications; context.Platform publishes them once the transaction commits."""
+    session.info.setdefault("notify", set()).update(topics)
+
+
+# -- the state machine ---------------------------------------------------------------------
+def transition(session: Session, job: Job, target: JobState, *, reason: str, now: datetime | None = None) -> None:
+    """The only writer of ``job.state``: checks legality, records an event, does the bookkeeping
+    every change of that kind needs. Flushes; the caller's service commits."""
+    now = now or utcnow()
+    current = JobState(job.state)
+    try:
+        check_transition(current, target)
+    except IllegalTransition as exc:
+        raise Conflict(str(exc)) from exc
+    job.state = target.value
+    session.add(JobEvent(job_id=job.id, at=now, from_state=current.value, to_state=target.value, reason=reason))
+    if current.active and not target.active and job.attempt_started_at is not None:
+        job.run_s += max(0.0, (now - job.attempt_started_at).total_seconds())
+    if target == JobState.STARTING:
+        job.attempt += 1
+        job.attempt_started_at = now
+        job.started_at = job.started_at or now
+        job.pending_reason = None
+        job.reserved_nodes = []
+        job.desired_action = "run"
+    elif target == JobState.QUEUED:
+        job.queued_at = now
+        job.desired_action = "run"
+        job.suspend_for_job_id = None
+        job.suspend_requested_at = None
+        job.master_addr = None
+        job.master_port = None
+    elif target == JobState.SUSPENDING:
+        job.desired_action = "suspend"
+        job.suspend_requested_at = now
+    elif target.terminal:
+        job.finished_at = now
+        job.pending_reason = None
+        job.reserved_nodes = []
+        job.desired_action = "stop"
+    session.flush()
+    publish_after_commit(session, notify.SCHEDULER, notify.job_topic(job.id), *_node_topics(job))
+
+
+def _node_topics(job: Job) -> list[str]:
+    return [notify.node_topic(a.node_name) for a in job.allocations if a.active]
+
+
+def record_event(session: Session, job: Job, reason: str, *, now: datetime | None = None) -> None:
+    """An event that is not a state change (a demotion, a placement note)."""
+    session.add(JobEvent(job_id=job.id, at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason))
+
+
+# -- submission and queries ----------------------------------------------------------------
+def check_fits_cluster(session: Session, spec: JobCreate) -> None:
+    """Refuse a job no placement could ever satisfy (Invalid -> 422, nothing written)."""
+    gpu_counts = list(session.scalars(select(Node.gpus)))
+    if spec.nodes > len(gpu_counts):
+        raise Invalid("nodes", f"the cluster has {len(gpu_counts)} node(s); the job asks for {spec.nodes}")
+    largest = max(gpu_counts, default=0)
+    if spec.gpus_per_node > largest:
+        raise Invalid("gpus_per_node", f"the largest node has {largest} GPUs; the job asks for {spec.gpus_per_node}")
+    if spec.nodes > 1:
+        whole = sum(1 for g in gpu_counts if g == spec.gpus_per_node)
+        if whole < spec.nodes:
+            sizes = ", ".join(sorted({str(g) for g in gpu_counts}))
+            raise Invalid(
+                "gpus_per_node",
+                f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
+                f"{spec.gpus_per_node} GPUs (node sizes: {sizes})",
+            )
+
+
+def submit_job(*, session: Session, spec: JobCreate, user: Principal) -> Job:
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+    check_fits_cluster(session, spec)
+    now = utcnow()
+    job = Job(
+        name=spec.name,
+        user_id=user.user_id,
+        user_name=user.name,
+        group=user.group,
+        command=list(spec.command),
+        env=dict(spec.env),
+        tags=list(spec.tags),
+        job_type=spec.job_type.value,
+        nodes=spec.nodes,
+        gpus_per_node=spec.gpus_per_node,
+        priority=spec.priority.value,
+        submitted_priority=spec.priority.value,
+        allow_cross_zone=spec.allow_cross_zone,
+        max_runtime_s=spec.max_runtime_s,
+        suspend_grace_s=spec.suspend_grace_s,
+        log_watchdog_s=spec.log_watchdog_s,
+        state=JobState.QUEUED.value,
+        created_at=now,
+        queued_at=now,
+        pending_reason="waiting for the scheduler",
+    )
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED.value, reason="submitted"))
+    publish_after_commit(session, notify.SCHEDULER)
+    session.commit()
+    return job
+
+
+def get_job(*, session: Session, job_id: int, user: Principal, for_update: bool = False) -> Job:
+    stmt = select(Job).where(Job.id == job_id)
+    if for_update:
+        stmt = stmt.with_for_update()
+    job = session.scalar(stmt)
+    if job is None:
+        raise NotFound(f"job {job_id} not found")
+    if user.kind == "user" and not user.is_admin and job.user_id != user.user_id:
+        raise Forbidden(f"job {job_id} belongs to another user")
+    return job
+
+
+def list_jobs(
+    *, session: Session, state: Sequence[JobState] = (), user_name: str | None = None, limit: int = 50, offset: int = 0
+) -> tuple[list[Job], int]:
+    stmt = select(Job)
+    if state:
+        stmt = stmt.where(Job.state.in_([s.value for s in state]))
+    if user_name:
+        stmt = stmt.where(Job.user_name == user_name)
+    total = session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
+    jobs = list(session.scalars(stmt.order_by(Job.id.desc()).limit(limit).offset(offset)))
+    return jobs, int(total)
+
+
+# -- user actions --------------------------------------------------------------------------
+def cancel_job(*, session: Session, job_id: int, user: Principal) -> Job:
+    job = get_job(session=session, job_id=job_id, user=user, for_update=True)
+    transition(session, job, JobState.CANCELLED, reason=f"cancelled by {user.name}")
+    session.commit()
+    return job
+
+
+def suspend_job(*, session: Session, job_id: int, user: Principal) -> Job:
+    """The owner asks to suspend: a running job checkpoints and goes back to the queue, held; a
+    queued job is held. ``resume_job`` releases the hold."""
+    job = get_job(session=session, job_id=job_id, user=user, for_update=True)
+    state = JobState(job.state)
+    if state == JobState.QUEUED:
+        if job.user_suspended:
+            raise Conflict(f"job {job_id} is already suspended")
+        job.user_suspended = True
+        job.pending_reason = f"suspended by {user.name}; resume it to queue it again"
+        record_event(session, job, f"held in the queue by {user.name}")
+    elif state in (JobState.STARTING, JobState.RUNNING):
+        job.user_suspended = True
+        transition(session, job, JobState.SUSPENDING, reason=f"suspend requested by {user.name}")
+    else:
+        raise Conflict(f"a job in state '{state.value}' cannot be suspended")
+    publish_after_commit(session, notify.SCHEDULER, notify.job_topic(job.id))
+    session.commit()
+    return job
+
+
+def resume_job(*, session: Session, job_id: int, user: Principal) -> Job:
+    job = get_job(session=session, job_id=job_id, user=user, for_update=True)
+    if not job.user_suspended:
+        raise Conflict(f"job {job_id} is not suspended by its owner")
+    job.user_suspended = False
+    if job.state == JobState.QUEUED.value:
+        job.pending_reason = "waiting for the scheduler"
+    record_event(session, job, f"resumed by {user.name}")
+    publish_after_commit(session, notify.SCHEDULER, notify.job_topic(job.id))
+    session.commit()
+    return job
+
+
+def placement_of(job: Job) -> list[JobAllocation]:
+    """The allocations of the job's latest attempt (where it runs, or ran)."""
+    return [a for a in job.allocations if a.attempt == job.attempt]

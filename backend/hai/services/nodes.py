@@ -1,0 +1,56 @@
+"""Node queries and the topology file."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hai.db.models import JobAllocation, Node
+from hai.services.errors import Invalid
+
+
+@dataclass
+class NodeSummary:
+    node: Node
+    free_gpus: int
+    running_jobs: list[int]
+
+
+def list_nodes(*, session: Session) -> list[NodeSummary]:
+    nodes = list(session.scalars(select(Node).order_by(Node.zone, Node.leaf, Node.name)))
+    held: dict[str, set[int]] = {}
+    jobs: dict[str, set[int]] = {}
+    for alloc in session.scalars(select(JobAllocation).where(JobAllocation.active.is_(True))):
+        held.setdefault(alloc.node_name, set()).update(alloc.gpus)
+        jobs.setdefault(alloc.node_name, set()).add(alloc.job_id)
+    return [
+        NodeSummary(node=n, free_gpus=n.gpus - len(held.get(n.name, set())), running_jobs=sorted(jobs.get(n.name, set())))
+        for n in nodes
+    ]
+
+
+def load_topology(*, session: Session, path: Path) -> int:
+    """Create or relabel nodes from a CSV with the header node,gpus,leaf,zone. Nodes appear
+    as 'lost' (no agent yet) until their agent registers; labels in the file win."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"node", "gpus", "leaf", "zone"} - set(reader.fieldnames or [])
+        if missing:
+            raise Invalid("topology", f"{path}: missing column(s) {', '.join(sorted(missing))}")
+        rows = list(reader)
+    existing = {n.name: n for n in session.scalars(select(Node))}
+    for row in rows:
+        node = existing.get(row["node"])
+        if node is None:
+            node = Node(name=row["node"], state="lost", state_reason="no agent has registered yet")
+            session.add(node)
+        node.zone = row["zone"]
+        node.leaf = row["leaf"]
+        if node.gpus == 0:
+            node.gpus = int(row["gpus"])
+    session.commit()
+    return len(rows)

@@ -1,0 +1,140 @@
+"""Wake-ups between parts of the system: the scheduler after a submission, an agent's long
+poll after its node's assignments change, log followers after new lines.
+
+A notification only says "look again": the database stays the one source of truth, so a lost
+notification costs latency, never correctness. In embedded mode everything is in-process; with
+Redis (production) every publish also goes to a Redis channel and a listener thread re-publishes
+what other processes sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import defaultdict
+
+log = logging.getLogger(__name__)
+
+SCHEDULER = "scheduler"
+
+
+def node_topic(name: str) -> str:
+    return f"node:{name}"
+
+
+def job_topic(job_id: int) -> str:
+    return f"job:{job_id}"
+
+
+class Notifier:
+    """In-process topics with a version counter; waiters are threads or asyncio tasks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._versions: dict[str, int] = defaultdict(int)
+        self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = defaultdict(list)
+
+    # -- publishing -------------------------------------------------------------------------
+    def publish(self, *topics: str) -> None:
+        self._deliver(topics)
+
+    def _deliver(self, topics) -> None:  # noqa: ANN001
+        with self._cond:
+            waiters = []
+            for topic in topics:
+                self._versions[topic] += 1
+                waiters.extend(self._async_waiters.pop(topic, []))
+            self._cond.notify_all()
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    # -- waiting ----------------------------------------------------------------------------
+    def version(self, topic: str) -> int:
+        with self._lock:
+            return self._versions[topic]
+
+    def wait(self, topic: str, since: int, timeout: float) -> bool:
+        """Block a thread until ``topic`` moves past version ``since`` or the timeout passes."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._versions[topic] != since, timeout=timeout)
+
+    async def wait_async(self, topic: str, since: int, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        with self._lock:
+            if self._versions[topic] != since:
+                return True
+            self._async_waiters[topic].append((loop, fut))
+        try:
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except asyncio.TimeoutError:
+            with self._lock:
+                waiters = self._async_waiters.get(topic, [])
+                if (loop, fut) in waiters:
+                    waiters.remove((loop, fut))
+            return False
+
+    def close(self) -> None:
+        pass
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(True)
+
+
+class RedisNotifier(Notifier):
+    """Notifier whose topics cross processes through Redis pub/sub."""
+
+    CHANNEL = "hai:notify"
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        import redis
+
+        self._origin = uuid.uuid4().hex
+        self._redis = redis.Redis.from_url(url)
+        self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(self.CHANNEL)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, name="hai-redis-notify", daemon=True)
+        self._thread.start()
+
+    def publish(self, *topics: str) -> None:
+        self._deliver(topics)
+        try:
+            self._redis.publish(self.CHANNEL, self._origin + "|" + ",".join(topics))
+        except Exception:  # Redis can be lost without losing a job: callers poll too
+            log.warning("could not publish %s to Redis", topics, exc_info=True)
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self._pubsub.get_message(timeout=1.0)
+            except Exception:
+                log.warning("Redis notify listener error; retrying", exc_info=True)
+                self._stop.wait(1.0)
+                continue
+            if not msg:
+                continue
+            data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
+            origin, _, topics = data.partition("|")
+            if origin != self._origin and topics:
+                self._deliver(topics.split(","))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+        try:
+            self._pubsub.close()
+            self._redis.close()
+        except Exception:
+            pass
+
+
+def make_notifier(redis_url: str) -> Notifier:
+    return RedisNotifier(redis_url) if redis_url else Notifier()

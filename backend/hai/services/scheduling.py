@@ -1,0 +1,243 @@
+"""One scheduling cycle: load a snapshot in one read, call the pure scheduler, persist all of
+its decisions in one transaction. The notifications go out after the commit (agents' long polls
+wake up and receive their new assignments)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hai.db.base import utcnow
+from hai.db.models import Job, JobAllocation, Node, Quota, UserUsage
+from hai.domain import scheduler as sched
+from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
+from hai.services import notify
+from hai.services.jobs import publish_after_commit, record_event, transition
+from hai.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SCHEDULABLE_NODE_STATES = frozenset({"ready"})
+
+
+def policy_from_settings(settings: Settings) -> sched.Policy:
+    s = settings.scheduler
+    return sched.Policy(
+        min_runtime_s=s.min_runtime_s,
+        demote_after_s=s.demote_after_s,
+        quantum_s=s.quantum_s,
+        wait_threshold_s=s.wait_threshold_s,
+        usage_half_life_s=s.usage_half_life_s,
+    )
+
+
+@dataclass
+class CycleResult:
+    started: list[int]
+    suspended: list[int]
+    snapshot_jobs: int
+
+
+def _ts(dt: datetime | None) -> float | None:
+    return dt.timestamp() if dt is not None else None
+
+
+def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sched.Snapshot:
+    nodes = list(session.scalars(select(Node).order_by(Node.name)))
+    held: dict[str, set[int]] = {}
+    for alloc in session.scalars(select(JobAllocation).where(JobAllocation.active.is_(True))):
+        held.setdefault(alloc.node_name, set()).update(alloc.gpus)
+    fresh_after = now - timedelta(seconds=lost_after_s)
+    node_views = tuple(
+        sched.NodeView(
+            name=n.name,
+            zone=n.zone,
+            leaf=n.leaf,
+            gpus=n.gpus,
+            free_gpus=tuple(g for g in range(n.gpus) if g not in held.get(n.name, set())),
+            schedulable=n.state in SCHEDULABLE_NODE_STATES
+            and n.last_heartbeat_at is not None
+            and n.last_heartbeat_at >= fresh_after,
+        )
+        for n in nodes
+    )
+    jobs = list(
+        session.scalars(
+            select(Job).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
+        )
+    )
+    running: list[sched.RunningJob] = []
+    queued: list[sched.QueuedJob] = []
+    for j in jobs:
+        if j.state == JobState.QUEUED.value:
+            if j.user_suspended:
+                continue
+            queued.append(
+                sched.QueuedJob(
+                    id=j.id,
+                    user=j.user_name,
+                    group=j.group,
+                    priority=Priority(j.priority),
+                    submitted_priority=Priority(j.submitted_priority),
+                    nodes=j.nodes,
+                    gpus_per_node=j.gpus_per_node,
+                    first_submitted_at=j.created_at.timestamp(),
+                    queued_at=j.queued_at.timestamp(),
+                    allow_cross_zone=j.allow_cross_zone,
+                    suspensions=j.suspensions,
+                    reserved_nodes=tuple(j.reserved_nodes or ()),
+                )
+            )
+        else:
+            ckpt = j.last_checkpoint or {}
+            attempt_start = j.attempt_started_at or now
+            ckpt_at = ckpt.get("at")
+            running.append(
+                sched.RunningJob(
+                    id=j.id,
+                    user=j.user_name,
+                    group=j.group,
+                    priority=Priority(j.priority),
+                    submitted_priority=Priority(j.submitted_priority),
+                    nodes=j.nodes,
+                    gpus_per_node=j.gpus_per_node,
+                    allocations=tuple(
+                        sched.Allocation(a.node_name, tuple(a.gpus))
+                        for a in j.allocations
+                        if a.active and a.attempt == j.attempt
+                    ),
+                    state=JobState(j.state),
+                    started_at=attempt_start.timestamp(),
+                    first_submitted_at=j.created_at.timestamp(),
+                    last_checkpoint_at=ckpt_at if ckpt_at and ckpt_at >= attempt_start.timestamp() else None,
+                    checkpoint_duration_s=ckpt.get("duration_s"),
+                    allow_cross_zone=j.allow_cross_zone,
+                    suspend_requested_for=j.suspend_for_job_id,
+                )
+            )
+    quotas = tuple(
+        sched.Quota(group=q.group, priority=Priority(q.priority), gpus=q.gpus, user=q.user_name)
+        for q in session.scalars(select(Quota).order_by(Quota.id))
+    )
+    usage = {u.user_name: u.gpu_s for u in session.scalars(select(UserUsage))}
+    return sched.Snapshot(
+        nodes=node_views,
+        running=tuple(sorted(running, key=lambda r: r.id)),
+        queued=tuple(sorted(queued, key=lambda q: q.id)),
+        quotas=quotas,
+        usage=usage,
+    )
+
+
+def _update_usage(session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float) -> dict[str, float]:
+    """Decay each user's GPU-seconds with the half-life and add what their running jobs used
+    since the last cycle. Returns the values as of ``now``."""
+    rows = {u.user_name: u for u in session.scalars(select(UserUsage))}
+    gpus_by_user: dict[str, int] = {}
+    for r in snapshot.running:
+        gpus_by_user[r.user] = gpus_by_user.get(r.user, 0) + r.gpu_count
+    result: dict[str, float] = {}
+    for user in sorted(set(rows) | set(gpus_by_user)):
+        row = rows.get(user)
+        if row is None:
+            row = UserUsage(user_name=user, gpu_s=0.0, updated_at=now)
+            session.add(row)
+        dt = max(0.0, (now - row.updated_at).total_seconds())
+        decay = 0.5 ** (dt / half_life_s) if half_life_s > 0 else 0.0
+        row.gpu_s = row.gpu_s * decay + gpus_by_user.get(user, 0) * dt
+        row.updated_at = now
+        result[user] = row.gpu_s
+    return result
+
+
+def _pick_master_port(session: Session, *, node: str, base: int) -> int:
+    used = set(
+        session.scalars(
+            select(Job.master_port).where(
+                Job.master_addr.is_not(None),
+                Job.state.in_([s.value for s in ACTIVE_STATES]),
+                Job.id.in_(select(JobAllocation.job_id).where(JobAllocation.node_name == node, JobAllocation.node_rank == 0)),
+            )
+        )
+    )
+    port = base
+    while port in used:
+        port += 1
+    return port
+
+
+def run_cycle(session: Session, *, settings: Settings, now: datetime | None = None) -> CycleResult:
+    """One full cycle in one transaction."""
+    now = now or utcnow()
+    snapshot = load_snapshot(session, now=now, lost_after_s=settings.agent.lost_after_s)
+    usage = _update_usage(session, snapshot, now=now, half_life_s=settings.scheduler.usage_half_life_s)
+    snapshot = sched.Snapshot(
+        nodes=snapshot.nodes, running=snapshot.running, queued=snapshot.queued, quotas=snapshot.quotas, usage=usage
+    )
+    decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp())
+    apply_decisions(session, decisions, settings=settings, now=now)
+    session.commit()
+    return CycleResult(
+        started=[s.job_id for s in decisions.starts],
+        suspended=[s.job_id for s in decisions.suspends],
+        snapshot_jobs=len(snapshot.running) + len(snapshot.queued),
+    )
+
+
+def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: Settings, now: datetime) -> None:
+    ids = (
+        {s.job_id for s in decisions.starts}
+        | {s.job_id for s in decisions.suspends}
+        | {d.job_id for d in decisions.demotions}
+        | set(decisions.reservations)
+        | set(decisions.pending_reasons)
+    )
+    jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(sorted(ids))).with_for_update())} if ids else {}
+    nodes = {n.name: n for n in session.scalars(select(Node))}
+
+    for demote in decisions.demotions:
+        job = jobs.get(demote.job_id)
+        if job is None or JobState(job.state).terminal:
+            continue
+        job.priority = demote.to.value
+        record_event(session, job, demote.reason, now=now)
+
+    for start in decisions.starts:
+        job = jobs.get(start.job_id)
+        if job is None or job.state != JobState.QUEUED.value or job.user_suspended:
+            continue  # changed since the snapshot (cancelled, held): skip, next cycle re-plans
+        transition(session, job, JobState.STARTING, reason=f"placed: {start.reason}", now=now)
+        for rank, alloc in enumerate(start.allocations):
+            session.add(
+                JobAllocation(
+                    job_id=job.id, attempt=job.attempt, node_name=alloc.node, node_rank=rank, gpus=list(alloc.gpus)
+                )
+            )
+        head = start.allocations[0].node
+        job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"
+        job.master_port = _pick_master_port(session, node=head, base=settings.agent.master_port_base)
+        job.placement_reason = start.reason
+        session.flush()
+        session.expire(job, ["allocations"])
+        publish_after_commit(session, *(notify.node_topic(a.node) for a in start.allocations))
+
+    for suspend in decisions.suspends:
+        job = jobs.get(suspend.job_id)
+        if job is None or job.state not in (JobState.RUNNING.value, JobState.STARTING.value):
+            continue
+        job.suspend_for_job_id = suspend.for_job_id
+        transition(session, job, JobState.SUSPENDING, reason=suspend.reason, now=now)
+
+    for job_id, reserved in decisions.reservations.items():
+        job = jobs.get(job_id)
+        if job is not None and job.state == JobState.QUEUED.value and list(job.reserved_nodes or []) != list(reserved):
+            job.reserved_nodes = list(reserved)
+
+    for job_id, reason in decisions.pending_reasons.items():
+        job = jobs.get(job_id)
+        if job is not None and job.state == JobState.QUEUED.value and not job.user_suspended and job.pending_reason != reason:
+            job.pending_reason = reason
