@@ -42,7 +42,7 @@ export function JobsTable({ jobs }: { jobs: JobRead[] }) {
             <td>{formatTime(job.started_at)}</td>
             <td>{formatTime(job.finished_at)}</td>
             <td>{job.exit_code ?? ''}</td>
-            <td className="muted">{job.pending_reason ?? ''}</td>
+            <td className="muted wrap">{job.pending_reason ?? ''}</td>
           </tr>
         ))}
       </tbody>
