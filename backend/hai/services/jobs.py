@@ -32,7 +32,7 @@ def transition(session: Session, job: Job, target: JobState, *, reason: str, now
     except IllegalTransition as exc:
         raise Conflict(str(exc)) from exc
     job.state = target.value
-    session.add(JobEvent(job_id=job.id, at=now, from_state=current.value, to_state=target.value, reason=reason))
+    job.events.append(JobEvent(at=now, from_state=current.value, to_state=target.value, reason=reason))
     if current.active and not target.active and job.attempt_started_at is not None:
         job.run_s += max(0.0, (now - job.attempt_started_at).total_seconds())
     if target == JobState.STARTING:
@@ -67,7 +67,7 @@ def _node_topics(job: Job) -> list[str]:
 
 def record_event(session: Session, job: Job, reason: str, *, now: datetime | None = None) -> None:
     """An event that is not a state change (a demotion, a placement note)."""
-    session.add(JobEvent(job_id=job.id, at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason))
+    job.events.append(JobEvent(at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason))
 
 
 # -- submission and queries ----------------------------------------------------------------
@@ -116,10 +116,10 @@ def submit_job(*, session: Session, spec: JobCreate, user: Principal) -> Job:
         created_at=now,
         queued_at=now,
         pending_reason="waiting for the scheduler",
+        events=[JobEvent(at=now, from_state=None, to_state=JobState.QUEUED.value, reason="submitted")],
+        allocations=[],
     )
     session.add(job)
-    session.flush()
-    session.add(JobEvent(job_id=job.id, at=now, from_state=None, to_state=JobState.QUEUED.value, reason="submitted"))
     publish_after_commit(session, notify.SCHEDULER)
     session.commit()
     return job

@@ -212,17 +212,14 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
             continue  # changed since the snapshot (cancelled, held): skip, next cycle re-plans
         transition(session, job, JobState.STARTING, reason=f"placed: {start.reason}", now=now)
         for rank, alloc in enumerate(start.allocations):
-            session.add(
-                JobAllocation(
-                    job_id=job.id, attempt=job.attempt, node_name=alloc.node, node_rank=rank, gpus=list(alloc.gpus)
-                )
+            job.allocations.append(
+                JobAllocation(attempt=job.attempt, node_name=alloc.node, node_rank=rank, gpus=list(alloc.gpus))
             )
         head = start.allocations[0].node
         job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"
         job.master_port = _pick_master_port(session, node=head, base=settings.agent.master_port_base)
         job.placement_reason = start.reason
         session.flush()
-        session.expire(job, ["allocations"])
         publish_after_commit(session, *(notify.node_topic(a.node) for a in start.allocations))
 
     for suspend in decisions.suspends:
