@@ -4,31 +4,50 @@ import type { ReactNode } from 'react'
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest'
 import { Dashboard } from '../routes/Dashboard'
 import { ApiError } from './client'
-import { jobKeys, useJobs, type JobList } from './jobs'
+import { jobKeys, useJobs, type JobList, type JobRead } from './jobs'
 import { createQueryClient } from './queryClient'
 import { setToken } from './token'
 
-const JOBS: JobList = {
-  total: 1,
-  items: [
-    {
-      id: 7,
-      name: 'train-llm',
-      user: 'alice',
-      group: 'research',
-      state: 'running',
-      priority: 'HIGH',
-      nodes: 2,
-      gpus_per_node: 8,
-      job_type: 'torch',
-      created_at: '2026-01-01T00:00:00Z',
-      started_at: '2026-01-01T00:00:05Z',
-      finished_at: null,
-      exit_code: null,
-      pending_reason: null,
-    },
-  ],
+function job(overrides: Partial<JobRead> = {}): JobRead {
+  return {
+    id: 7,
+    name: 'train-llm',
+    user: 'alice',
+    group: 'research',
+    state: 'running',
+    priority: 'HIGH',
+    submitted_priority: 'HIGH',
+    nodes: 2,
+    gpus_per_node: 8,
+    job_type: 'torch',
+    command: ['python', 'train.py'],
+    env: {},
+    tags: [],
+    allow_cross_zone: false,
+    max_runtime_s: null,
+    suspend_grace_s: 60,
+    log_watchdog_s: null,
+    created_at: '2026-01-01T00:00:00Z',
+    started_at: '2026-01-01T00:00:05Z',
+    finished_at: null,
+    exit_code: null,
+    failure_reason: null,
+    attempt: 1,
+    suspensions: 0,
+    restarts: 0,
+    held: false,
+    placement: [],
+    placement_reason: null,
+    pending_reason: null,
+    last_checkpoint: null,
+    progress: null,
+    lost_gpu_s: 0,
+    events: [],
+    ...overrides,
+  }
 }
+
+const JOBS: JobList = { total: 1, items: [job()] }
 
 function json(body: unknown, status = 200): Response {
   return new Response(JSON.stringify(body), { status, headers: { 'Content-Type': 'application/json' } })
@@ -54,7 +73,7 @@ describe('useJobs', () => {
   it('fetches /api/v1/jobs with the bearer token and query params', async () => {
     fetchMock.mockResolvedValue(json(JOBS))
 
-    const { result } = renderHook(() => useJobs({ state: 'running', limit: 10 }, { refetchIntervalMs: false }), {
+    const { result } = renderHook(() => useJobs({ state: ['running', 'starting'], limit: 10 }, { refetchIntervalMs: false }), {
       wrapper,
     })
 
@@ -64,7 +83,7 @@ describe('useJobs', () => {
     const request = fetchMock.mock.calls[0][0] as Request
     const url = new URL(request.url)
     expect(url.pathname).toBe('/api/v1/jobs')
-    expect(url.searchParams.get('state')).toBe('running')
+    expect(url.searchParams.getAll('state')).toEqual(['running', 'starting'])
     expect(url.searchParams.get('limit')).toBe('10')
     expect(request.headers.get('Authorization')).toBe('Bearer tok-123')
   })
@@ -82,8 +101,8 @@ describe('useJobs', () => {
   })
 
   it('keys lists by their parameters', () => {
-    expect(jobKeys.list({ state: 'queued' })).toEqual(['jobs', 'list', { state: 'queued' }])
-    expect(jobKeys.list({ state: 'queued' })).not.toEqual(jobKeys.list({ state: 'running' }))
+    expect(jobKeys.list({ state: ['queued'] })).toEqual(['jobs', 'list', { state: ['queued'] }])
+    expect(jobKeys.list({ state: ['queued'] })).not.toEqual(jobKeys.list({ state: ['running'] }))
   })
 })
 
@@ -101,7 +120,7 @@ describe('Dashboard', () => {
         const path = new URL((input as Request).url).pathname
         if (path === '/api/v1/jobs') return json(JOBS)
         if (path === '/api/v1/nodes')
-          return json([{ name: 'gpu-a1-01', zone: 'A', leaf: 'A1', gpus: 8, state: 'ready', running_jobs: [7] }])
+          return json([{ name: 'gpu-a1-01', zone: 'A', leaf: 'A1', gpus: 8, free_gpus: 0, state: 'ready', state_reason: '', running_jobs: [7] }])
         return json({ detail: 'not found' }, 404)
       }),
     )
@@ -111,6 +130,7 @@ describe('Dashboard', () => {
     expect(await screen.findByText('train-llm')).toBeTruthy()
     expect(await screen.findByText('gpu-a1-01')).toBeTruthy()
     expect(screen.getByText('2 × 8')).toBeTruthy()
+    expect(screen.getByText('0 / 8')).toBeTruthy()
   })
 
   it('asks for a token when none is stored, and calls nothing', () => {

@@ -4,6 +4,61 @@
  */
 
 export interface paths {
+    "/api/v1/agent/heartbeat": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Heartbeat
+         * @description Apply the agent's report and answer with the node's assignments. With ``wait_s`` the
+         *     reply is held (long poll) until the assignments change, unless the agent is already behind.
+         */
+        post: operations["heartbeat_api_v1_agent_heartbeat_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/agent/logs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Logs */
+        post: operations["logs_api_v1_agent_logs_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/agent/register": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Register */
+        post: operations["register_api_v1_agent_register_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/jobs": {
         parameters: {
             query?: never;
@@ -11,8 +66,115 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List jobs */
-        get: operations["list_jobs"];
+        /** List Jobs */
+        get: operations["list_jobs_api_v1_jobs_get"];
+        put?: never;
+        /** Submit */
+        post: operations["submit_api_v1_jobs_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get Job */
+        get: operations["get_job_api_v1_jobs__job_id__get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}/cancel": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Cancel */
+        post: operations["cancel_api_v1_jobs__job_id__cancel_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}/logs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Logs
+         * @description Plain text, each line prefixed with its rank (and attempt once a job has restarted);
+         *     ``follow=true`` streams server-sent events (``log`` per line, ``end`` with the final state).
+         */
+        get: operations["logs_api_v1_jobs__job_id__logs_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}/resume": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Resume */
+        post: operations["resume_api_v1_jobs__job_id__resume_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}/suspend": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Suspend */
+        post: operations["suspend_api_v1_jobs__job_id__suspend_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/me": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Me */
+        get: operations["me_api_v1_me_get"];
         put?: never;
         post?: never;
         delete?: never;
@@ -28,8 +190,8 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List nodes */
-        get: operations["list_nodes"];
+        /** List Nodes */
+        get: operations["list_nodes_api_v1_nodes_get"];
         put?: never;
         post?: never;
         delete?: never;
@@ -38,15 +200,68 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
-    "/api/v1/me": {
+    "/api/v1/quotas": {
         parameters: {
             query?: never;
             header?: never;
             path?: never;
             cookie?: never;
         };
-        /** The calling user */
-        get: operations["get_me"];
+        /** Get Quotas */
+        get: operations["get_quotas_api_v1_quotas_get"];
+        /** Put Quotas */
+        put: operations["put_quotas_api_v1_quotas_put"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/tokens": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** List Tokens */
+        get: operations["list_tokens_api_v1_tokens_get"];
+        put?: never;
+        /** Create Token */
+        post: operations["create_token_api_v1_tokens_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/tokens/{token_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke Token */
+        delete: operations["revoke_token_api_v1_tokens__token_id__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/healthz": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Healthz */
+        get: operations["healthz_healthz_get"];
         put?: never;
         post?: never;
         delete?: never;
@@ -60,50 +275,267 @@ export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
         /**
-         * JobState
-         * @enum {string}
+         * AgentHello
+         * @description Handshake: sent when the agent starts and whenever the server asks it to re-register.
          */
-        JobState: "queued" | "starting" | "running" | "suspending" | "succeeded" | "failed" | "cancelled";
-        /**
-         * Priority
-         * @enum {string}
-         */
-        Priority: "LOW" | "NORMAL" | "ABOVE_NORMAL" | "HIGH" | "VERY_HIGH" | "EXTREME_HIGH";
-        /**
-         * JobType
-         * @enum {string}
-         */
-        JobType: "command" | "torch" | "hfreduce";
-        /** JobRead */
-        JobRead: {
-            /** Id */
-            id: number;
+        AgentHello: {
+            /** Address */
+            address: string;
+            /**
+             * Agent Version
+             * @default 0
+             */
+            agent_version: string;
+            /** Attempts */
+            attempts?: components["schemas"]["AttemptStatus"][];
+            /**
+             * Fake Gpus
+             * @default false
+             */
+            fake_gpus: boolean;
+            /** Gpus */
+            gpus: components["schemas"]["GpuInfo"][];
+            /** Leaf */
+            leaf?: string | null;
+            /** Nics */
+            nics?: components["schemas"]["NicInfo"][];
+            /** Node */
+            node: string;
+            /**
+             * Protocol Version
+             * @default 1
+             */
+            protocol_version: number;
+            /** Zone */
+            zone?: string | null;
+        };
+        /** Assignment */
+        Assignment: {
+            /**
+             * Action
+             * @enum {string}
+             */
+            action: "run" | "suspend" | "stop";
+            /** Attempt */
+            attempt: number;
+            /** Job Id */
+            job_id: number;
+            spec: components["schemas"]["LaunchSpec"];
+        };
+        /** AttemptStatus */
+        AttemptStatus: {
+            /** Attempt */
+            attempt: number;
+            checkpoint?: components["schemas"]["CheckpointInfo"] | null;
+            /**
+             * Finished
+             * @default false
+             */
+            finished: boolean;
+            /** Finished At */
+            finished_at?: number | null;
+            /** Job Id */
+            job_id: number;
+            /** Launch Error */
+            launch_error?: string | null;
+            progress?: components["schemas"]["ProgressInfo"] | null;
+            /** Ranks */
+            ranks?: components["schemas"]["RankStatus"][];
+            /** Started At */
+            started_at?: number | null;
+            /** Stop Cause */
+            stop_cause?: string | null;
+            /** Stopped Reason */
+            stopped_reason?: string | null;
+            /**
+             * Suspend Ready
+             * @default false
+             */
+            suspend_ready: boolean;
+            /** Suspend Requested At */
+            suspend_requested_at?: number | null;
+        };
+        /** CheckpointInfo */
+        CheckpointInfo: {
+            /** At */
+            at: number;
+            /** Duration S */
+            duration_s?: number | null;
+            /** Path */
+            path: string;
+            /** Step */
+            step?: number | null;
+        };
+        /** CheckpointRead */
+        CheckpointRead: {
+            /** At */
+            at: number;
+            /** Duration S */
+            duration_s?: number | null;
+            /** Path */
+            path: string;
+            /** Step */
+            step?: number | null;
+        };
+        /** GpuInfo */
+        GpuInfo: {
+            /** Index */
+            index: number;
+            /** Memory Total Mib */
+            memory_total_mib: number;
+            /** Model */
+            model: string;
+            /** Numa Node */
+            numa_node?: number | null;
+            /** Uuid */
+            uuid: string;
+        };
+        /** GpuMetrics */
+        GpuMetrics: {
+            /** Ecc Uncorrected */
+            ecc_uncorrected?: number | null;
+            /** Index */
+            index: number;
+            /**
+             * Memory Total Mib
+             * @default 0
+             */
+            memory_total_mib: number;
+            /**
+             * Memory Used Mib
+             * @default 0
+             */
+            memory_used_mib: number;
+            /** Power W */
+            power_w?: number | null;
+            /** Temperature C */
+            temperature_c?: number | null;
+            /**
+             * Util Pct
+             * @default 0
+             */
+            util_pct: number;
+            /** Uuid */
+            uuid: string;
+        };
+        /** GpuRead */
+        GpuRead: {
+            /** Ecc Uncorrected */
+            ecc_uncorrected?: number | null;
+            /** Index */
+            index: number;
+            /** Memory Total Mib */
+            memory_total_mib?: number | null;
+            /** Memory Used Mib */
+            memory_used_mib?: number | null;
+            /**
+             * Model
+             * @default
+             */
+            model: string;
+            /** Power W */
+            power_w?: number | null;
+            /** Temperature C */
+            temperature_c?: number | null;
+            /** Util Pct */
+            util_pct?: number | null;
+            /**
+             * Uuid
+             * @default
+             */
+            uuid: string;
+        };
+        /** HTTPValidationError */
+        HTTPValidationError: {
+            /** Detail */
+            detail?: components["schemas"]["ValidationError"][];
+        };
+        /** Health */
+        Health: {
+            /** Database */
+            database: string;
+            /** Status */
+            status: string;
+        };
+        /** Heartbeat */
+        Heartbeat: {
+            /** Assignments Digest */
+            assignments_digest?: string | null;
+            /** Attempts */
+            attempts?: components["schemas"]["AttemptStatus"][];
+            /** Gpus */
+            gpus?: components["schemas"]["GpuMetrics"][];
+            /** Node */
+            node: string;
+            /**
+             * Protocol Version
+             * @default 1
+             */
+            protocol_version: number;
+            /**
+             * Wait S
+             * @default 0
+             */
+            wait_s: number;
+        };
+        /** JobCreate */
+        JobCreate: {
+            /**
+             * Allow Cross Zone
+             * @default false
+             */
+            allow_cross_zone: boolean;
+            /**
+             * Command
+             * @description argv; never run through a shell
+             */
+            command: string[];
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+            /**
+             * Gpus Per Node
+             * @description a job of more than one node takes whole nodes of this many GPUs
+             * @default 8
+             */
+            gpus_per_node: number;
+            /** @default command */
+            job_type: components["schemas"]["JobType"];
+            /** Log Watchdog S */
+            log_watchdog_s?: number | null;
+            /** Max Runtime S */
+            max_runtime_s?: number | null;
             /** Name */
             name: string;
-            /** User */
-            user: string;
-            /** Group */
-            group: string;
-            state: components["schemas"]["JobState"];
-            priority: components["schemas"]["Priority"];
-            /** Nodes */
-            nodes: number;
-            /** Gpus Per Node */
-            gpus_per_node: number;
-            job_type: components["schemas"]["JobType"];
             /**
-             * Created At
+             * Nodes
+             * @default 1
+             */
+            nodes: number;
+            /** @default NORMAL */
+            priority: components["schemas"]["Priority"];
+            /**
+             * Suspend Grace S
+             * @default 60
+             */
+            suspend_grace_s: number;
+            /** Tags */
+            tags?: string[];
+        };
+        /** JobEventRead */
+        JobEventRead: {
+            /**
+             * At
              * Format: date-time
              */
-            created_at: string;
-            /** Started At */
-            started_at: string | null;
-            /** Finished At */
-            finished_at: string | null;
-            /** Exit Code */
-            exit_code: number | null;
-            /** Pending Reason */
-            pending_reason: string | null;
+            at: string;
+            /** From State */
+            from_state: string | null;
+            /** Reason */
+            reason: string;
+            /** To State */
+            to_state: string;
         };
         /** JobList */
         JobList: {
@@ -112,54 +544,375 @@ export interface components {
             /** Total */
             total: number;
         };
+        /** JobRead */
+        JobRead: {
+            /** Allow Cross Zone */
+            allow_cross_zone: boolean;
+            /** Attempt */
+            attempt: number;
+            /** Command */
+            command: string[];
+            /**
+             * Created At
+             * Format: date-time
+             */
+            created_at: string;
+            /** Env */
+            env: {
+                [key: string]: string;
+            };
+            /** Events */
+            events: components["schemas"]["JobEventRead"][];
+            /** Exit Code */
+            exit_code: number | null;
+            /** Failure Reason */
+            failure_reason: string | null;
+            /** Finished At */
+            finished_at: string | null;
+            /** Gpus Per Node */
+            gpus_per_node: number;
+            /** Group */
+            group: string;
+            /**
+             * Held
+             * @description suspended by its owner; `resume` queues it again
+             */
+            held: boolean;
+            /** Id */
+            id: number;
+            job_type: components["schemas"]["JobType"];
+            last_checkpoint: components["schemas"]["CheckpointRead"] | null;
+            /** Log Watchdog S */
+            log_watchdog_s: number | null;
+            /** Lost Gpu S */
+            lost_gpu_s: number;
+            /** Max Runtime S */
+            max_runtime_s: number | null;
+            /** Name */
+            name: string;
+            /** Nodes */
+            nodes: number;
+            /** Pending Reason */
+            pending_reason: string | null;
+            /** Placement */
+            placement: components["schemas"]["PlacementRead"][];
+            /** Placement Reason */
+            placement_reason: string | null;
+            priority: components["schemas"]["Priority"];
+            progress: components["schemas"]["ProgressRead"] | null;
+            /** Restarts */
+            restarts: number;
+            /** Started At */
+            started_at: string | null;
+            state: components["schemas"]["JobState"];
+            submitted_priority: components["schemas"]["Priority"];
+            /** Suspend Grace S */
+            suspend_grace_s: number;
+            /** Suspensions */
+            suspensions: number;
+            /** Tags */
+            tags: string[];
+            /** User */
+            user: string;
+        };
+        /**
+         * JobState
+         * @enum {string}
+         */
+        JobState: "queued" | "starting" | "running" | "suspending" | "succeeded" | "failed" | "cancelled";
+        /**
+         * JobType
+         * @enum {string}
+         */
+        JobType: "command" | "torch" | "hfreduce";
+        /** LaunchSpec */
+        LaunchSpec: {
+            /** Command */
+            command: string[];
+            /** Cwd */
+            cwd?: string | null;
+            /** Env */
+            env?: {
+                [key: string]: string;
+            };
+            /** Gpus */
+            gpus: number[];
+            /** Gpus Per Node */
+            gpus_per_node: number;
+            /** Job Name */
+            job_name: string;
+            /**
+             * Job Type
+             * @default command
+             * @enum {string}
+             */
+            job_type: "command" | "torch" | "hfreduce";
+            /** Log Watchdog S */
+            log_watchdog_s?: number | null;
+            /** Master Addr */
+            master_addr: string;
+            /** Master Port */
+            master_port: number;
+            /** Max Runtime S */
+            max_runtime_s?: number | null;
+            /** Nnodes */
+            nnodes: number;
+            /** Node Rank */
+            node_rank: number;
+            /**
+             * Restart Count
+             * @default 0
+             */
+            restart_count: number;
+            /** Resume From */
+            resume_from?: string | null;
+            /** Stop Grace S */
+            stop_grace_s?: number | null;
+            /**
+             * Suspend Grace S
+             * @default 60
+             */
+            suspend_grace_s: number;
+            /** User */
+            user: string;
+        };
+        /** LogAck */
+        LogAck: {
+            /** Accepted */
+            accepted: number;
+        };
+        /** LogBatch */
+        LogBatch: {
+            /** Lines */
+            lines?: components["schemas"]["LogLine"][];
+            /** Node */
+            node: string;
+            /**
+             * Protocol Version
+             * @default 1
+             */
+            protocol_version: number;
+        };
+        /** LogLine */
+        LogLine: {
+            /** Attempt */
+            attempt: number;
+            /** Job Id */
+            job_id: number;
+            /** Line */
+            line: string;
+            /** Rank */
+            rank: number;
+            /** Seq */
+            seq: number;
+            /**
+             * Stream
+             * @default stdout
+             * @enum {string}
+             */
+            stream: "stdout" | "stderr" | "system";
+            /** Ts */
+            ts: number;
+        };
+        /** NicInfo */
+        NicInfo: {
+            /** Name */
+            name: string;
+            /** Numa Node */
+            numa_node?: number | null;
+        };
         /** NodeRead */
         NodeRead: {
-            /** Name */
-            name: string;
-            /** Zone */
-            zone: string;
-            /** Leaf */
-            leaf: string;
+            /** Address */
+            address: string;
+            /** Fake Gpus */
+            fake_gpus: boolean;
+            /** Free Gpus */
+            free_gpus: number;
+            /** Gpu Metrics */
+            gpu_metrics: components["schemas"]["GpuRead"][];
             /** Gpus */
             gpus: number;
-            /**
-             * State
-             * @description ready | draining | drained | unhealthy | lost
-             */
-            state: string;
-            /**
-             * Running Jobs
-             * @description ids of the jobs running on this node
-             */
-            running_jobs: number[];
-        };
-        /** MeRead */
-        MeRead: {
+            /** Last Heartbeat At */
+            last_heartbeat_at: string | null;
+            /** Leaf */
+            leaf: string;
             /** Name */
             name: string;
+            /** Running Jobs */
+            running_jobs: number[];
+            /** State */
+            state: string;
+            /** State Reason */
+            state_reason: string;
+            /** Zone */
+            zone: string;
+        };
+        /** PlacementRead */
+        PlacementRead: {
+            /** Gpus */
+            gpus: number[];
+            /** Leaf */
+            leaf: string;
+            /** Node */
+            node: string;
+            /** Zone */
+            zone: string;
+        };
+        /**
+         * Priority
+         * @enum {string}
+         */
+        Priority: "LOW" | "NORMAL" | "ABOVE_NORMAL" | "HIGH" | "VERY_HIGH" | "EXTREME_HIGH";
+        /** ProgressInfo */
+        ProgressInfo: {
+            /** At */
+            at: number;
+            /** Metrics */
+            metrics?: {
+                [key: string]: number;
+            };
+            /** Step */
+            step: number;
+            /** Total */
+            total?: number | null;
+        };
+        /** ProgressRead */
+        ProgressRead: {
+            /** At */
+            at: number;
+            /** Metrics */
+            metrics?: {
+                [key: string]: number;
+            };
+            /** Step */
+            step: number;
+            /** Total */
+            total?: number | null;
+        };
+        /** QuotaItem */
+        QuotaItem: {
+            /** Gpus */
+            gpus: number;
+            /** Group */
+            group: string;
+            priority: components["schemas"]["Priority"];
+            /** User */
+            user?: string | null;
+        };
+        /** QuotaList */
+        QuotaList: {
+            /** Items */
+            items: components["schemas"]["QuotaItem"][];
+        };
+        /** RankStatus */
+        RankStatus: {
+            /** Exit Code */
+            exit_code?: number | null;
+            /** Local Rank */
+            local_rank: number;
+            /** Pid */
+            pid?: number | null;
+            /** Rank */
+            rank: number;
+            /**
+             * State
+             * @default running
+             * @enum {string}
+             */
+            state: "running" | "exited";
+        };
+        /** ServerReply */
+        ServerReply: {
+            /** Assignments */
+            assignments?: components["schemas"]["Assignment"][];
+            /** Assignments Digest */
+            assignments_digest: string;
+            /**
+             * Heartbeat Interval S
+             * @default 1
+             */
+            heartbeat_interval_s: number;
+            /** Node */
+            node: string;
+            /**
+             * Protocol Version
+             * @default 1
+             */
+            protocol_version: number;
+            /**
+             * Reregister
+             * @default false
+             */
+            reregister: boolean;
+        };
+        /** TokenCreate */
+        TokenCreate: {
+            /** Name */
+            name: string;
+        };
+        /** TokenCreated */
+        TokenCreated: {
+            /**
+             * Created At
+             * Format: date-time
+             */
+            created_at: string;
+            /** Id */
+            id: number;
+            /** Last Used At */
+            last_used_at: string | null;
+            /** Name */
+            name: string;
+            /** Prefix */
+            prefix: string;
+            /** Revoked At */
+            revoked_at: string | null;
+            /**
+             * Token
+             * @description the secret; shown only once
+             */
+            token: string;
+        };
+        /** TokenRead */
+        TokenRead: {
+            /**
+             * Created At
+             * Format: date-time
+             */
+            created_at: string;
+            /** Id */
+            id: number;
+            /** Last Used At */
+            last_used_at: string | null;
+            /** Name */
+            name: string;
+            /** Prefix */
+            prefix: string;
+            /** Revoked At */
+            revoked_at: string | null;
+        };
+        /** UserRead */
+        UserRead: {
             /** Group */
             group: string;
             /** Is Admin */
             is_admin: boolean;
-        };
-        /** HTTPError */
-        HTTPError: {
-            /** Detail */
-            detail: unknown;
+            /** Name */
+            name: string;
         };
         /** ValidationError */
         ValidationError: {
+            /** Context */
+            ctx?: Record<string, never>;
+            /** Input */
+            input?: unknown;
             /** Location */
             loc: (string | number)[];
             /** Message */
             msg: string;
             /** Error Type */
             type: string;
-        };
-        /** HTTPValidationError */
-        HTTPValidationError: {
-            /** Detail */
-            detail?: components["schemas"]["ValidationError"][];
         };
     };
     responses: never;
@@ -170,10 +923,111 @@ export interface components {
 }
 export type $defs = Record<string, never>;
 export interface operations {
-    list_jobs: {
+    heartbeat_api_v1_agent_heartbeat_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["Heartbeat"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ServerReply"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    logs_api_v1_agent_logs_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LogBatch"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["LogAck"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    register_api_v1_agent_register_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["AgentHello"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ServerReply"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    list_jobs_api_v1_jobs_get: {
         parameters: {
             query?: {
-                state?: components["schemas"]["JobState"] | null;
+                /** @description filter by state (repeatable) */
+                state?: components["schemas"]["JobState"][] | null;
+                /** @description filter by user name */
                 user?: string | null;
                 limit?: number;
                 offset?: number;
@@ -193,13 +1047,37 @@ export interface operations {
                     "application/json": components["schemas"]["JobList"];
                 };
             };
-            /** @description Missing or invalid token */
-            401: {
+            /** @description Validation Error */
+            422: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPError"];
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    submit_api_v1_jobs_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["JobCreate"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
                 };
             };
             /** @description Validation Error */
@@ -213,7 +1091,190 @@ export interface operations {
             };
         };
     };
-    list_nodes: {
+    get_job_api_v1_jobs__job_id__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    cancel_api_v1_jobs__job_id__cancel_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    logs_api_v1_jobs__job_id__logs_get: {
+        parameters: {
+            query?: {
+                follow?: boolean;
+                rank?: number | null;
+                attempt?: number | null;
+                /** @description only lines containing this text */
+                q?: string | null;
+                timestamps?: boolean;
+            };
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "text/event-stream": unknown;
+                    "text/plain": string;
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    resume_api_v1_jobs__job_id__resume_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    suspend_api_v1_jobs__job_id__suspend_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    me_api_v1_me_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["UserRead"];
+                };
+            };
+        };
+    };
+    list_nodes_api_v1_nodes_get: {
         parameters: {
             query?: never;
             header?: never;
@@ -231,18 +1292,9 @@ export interface operations {
                     "application/json": components["schemas"]["NodeRead"][];
                 };
             };
-            /** @description Missing or invalid token */
-            401: {
-                headers: {
-                    [name: string]: unknown;
-                };
-                content: {
-                    "application/json": components["schemas"]["HTTPError"];
-                };
-            };
         };
     };
-    get_me: {
+    get_quotas_api_v1_quotas_get: {
         parameters: {
             query?: never;
             header?: never;
@@ -257,16 +1309,144 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["MeRead"];
+                    "application/json": components["schemas"]["QuotaList"];
                 };
             };
-            /** @description Missing or invalid token */
-            401: {
+        };
+    };
+    put_quotas_api_v1_quotas_put: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["QuotaList"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
                 headers: {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["HTTPError"];
+                    "application/json": components["schemas"]["QuotaList"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    list_tokens_api_v1_tokens_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TokenRead"][];
+                };
+            };
+        };
+    };
+    create_token_api_v1_tokens_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["TokenCreate"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TokenCreated"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    revoke_token_api_v1_tokens__token_id__delete: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                token_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TokenRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    healthz_healthz_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Health"];
                 };
             };
         };

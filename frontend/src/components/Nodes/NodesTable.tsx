@@ -10,7 +10,7 @@ export function NodesTable({ nodes }: { nodes: NodeRead[] }) {
           <th>Name</th>
           <th>Zone</th>
           <th>Leaf</th>
-          <th>GPUs</th>
+          <th>GPUs free / total</th>
           <th>State</th>
           <th>Running jobs</th>
         </tr>
@@ -21,9 +21,11 @@ export function NodesTable({ nodes }: { nodes: NodeRead[] }) {
             <td>{node.name}</td>
             <td>{node.zone}</td>
             <td>{node.leaf}</td>
-            <td>{node.gpus}</td>
             <td>
-              <StateBadge state={node.state} />
+              {node.free_gpus} / {node.gpus}
+            </td>
+            <td>
+              <StateBadge state={node.state} /> <span className="muted">{node.state_reason}</span>
             </td>
             <td>{node.running_jobs.join(', ')}</td>
           </tr>
