@@ -1,0 +1,41 @@
+"""Real PostgreSQL and Redis. `make test` exports HAI_TEST_DATABASE_URL / HAI_TEST_REDIS_URL
+(scripts/test-services.sh); each test module gets its own fresh database on that server."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+DEFAULT_DB = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def server_db_url() -> str:
+    return os.environ.get("HAI_TEST_DATABASE_URL") or DEFAULT_DB
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url = os.environ.get("HAI_TEST_REDIS_URL") or DEFAULT_REDIS
+    redis.Redis.from_url(url).ping()  # fail loudly if the configured Redis is not there
+    return url
+
+
+@pytest.fixture
+def pg_url(server_db_url: str):
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    name = f"hai_it_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server_db_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server_db_url).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
