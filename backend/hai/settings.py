@@ -42,8 +42,10 @@ class AgentSettings(BaseModel):
 
 
 class AuthSettings(BaseModel):
-    # the bootstrap admin token; "changeme" is refused outside development
+    # tokens registered when the server starts (production bootstrap); defaults are refused
+    # outside development
     bootstrap_admin_token: str = ""
+    bootstrap_agent_token: str = ""
 
 
 class Settings(BaseSettings):
@@ -62,8 +64,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_default_secrets(self) -> "Settings":
-        if self.environment != "development" and self.auth.bootstrap_admin_token in {"changeme", "admin"}:
-            raise ValueError("HAI_AUTH__BOOTSTRAP_ADMIN_TOKEN must not be a default value outside development")
+        if self.environment != "development":
+            for name in ("bootstrap_admin_token", "bootstrap_agent_token"):
+                value = getattr(self.auth, name)
+                if value and (value in {"changeme", "admin", "agent", "secret"} or len(value) < 16):
+                    raise ValueError(f"HAI_AUTH__{name.upper()} is a default or short secret; refused outside development")
         return self
 
     @property

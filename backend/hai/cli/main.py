@@ -52,10 +52,14 @@ def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
     from hai.services import auth
     from hai.services import nodes as node_service
 
-    token = platform.settings.auth.bootstrap_admin_token
+    creds = platform.settings.auth
     with platform.sessions() as session:
-        if token:
-            auth.ensure_user_token(session=session, name="admin", group="admin", is_admin=True, secret=token)
+        if creds.bootstrap_admin_token:
+            auth.ensure_user_token(
+                session=session, name="admin", group="admin", is_admin=True, secret=creds.bootstrap_admin_token
+            )
+        if creds.bootstrap_agent_token:
+            auth.ensure_agent_token(session=session, secret=creds.bootstrap_agent_token)
         if topology is not None:
             node_service.load_topology(session=session, path=topology)
 

@@ -229,7 +229,7 @@ def _node_done(job: Job, alloc: JobAllocation, status: AttemptStatus) -> bool:
     """Nothing of this attempt runs on this node any more."""
     if any(r.state == "running" for r in status.ranks):
         return False
-    return status.launch_error is not None or len(status.ranks) >= _expected_ranks(job)
+    return status.finished or status.launch_error is not None or len(status.ranks) >= _expected_ranks(job)
 
 
 def _release(alloc: JobAllocation, now: datetime) -> None:
@@ -250,29 +250,25 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> None:
         if st.launch_error:
             _fail(session, job, reason=f"could not launch on node {alloc.node_name}: {st.launch_error}", now=now)
             return
-    asked_to_stop = state == JobState.SUSPENDING
-    for alloc, st in sorted(statuses, key=lambda p: p[0].node_rank):
-        if st.stopped_reason and not asked_to_stop:
-            _fail(session, job, reason=f"stopped on node {alloc.node_name}: {st.stopped_reason}", now=now)
+    if state != JobState.SUSPENDING:
+        failure = _first_failure(statuses)
+        if failure is not None:
+            reason, code = failure
+            _fail(session, job, reason=reason, now=now, exit_code=code)
             return
-        for rank in sorted(st.ranks, key=lambda r: r.rank):
-            if rank.state == "exited" and rank.exit_code not in (0, None) and not asked_to_stop:
-                _fail(
-                    session,
-                    job,
-                    reason=f"rank {rank.rank} on node {alloc.node_name} exited with code {rank.exit_code}",
-                    now=now,
-                    exit_code=rank.exit_code,
-                )
-                return
 
     complete = len(statuses) == len(allocs) and all(len(st.ranks) >= expected for _, st in statuses)
     all_exited = complete and all(r.state == "exited" for _, st in statuses for r in st.ranks)
     if state == JobState.SUSPENDING:
-        if not all_exited:
+        all_done = len(statuses) == len(allocs) and all(
+            st.finished or (len(st.ranks) >= expected and all(r.state == "exited" for r in st.ranks))
+            for _, st in statuses
+        )
+        if not all_done:
             return
-        ready = any(st.suspend_ready for _, st in statuses)
-        forced = [st.stopped_reason for _, st in statuses if st.stopped_reason]
+        never_ran = all(st.stop_cause == "not_launched" for _, st in statuses)
+        ready = never_ran or any(st.suspend_ready for _, st in statuses)
+        forced = [st.stopped_reason or st.stop_cause for _, st in statuses if st.stopped_reason or st.stop_cause]
         if ready or forced:
             _suspended(session, job, ready=ready, forced_reason=forced[0] if forced else None, now=now)
         elif all(r.exit_code == 0 for _, st in statuses for r in st.ranks):
@@ -287,6 +283,28 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> None:
         return
     if state == JobState.STARTING and complete:
         transition(session, job, JobState.RUNNING, reason="all ranks started", now=now)
+
+
+# causes of an agent-side stop that are the job's own failure
+_FAILING_STOPS = ("max_runtime", "log_watchdog")
+
+
+def _first_failure(statuses: list[tuple[JobAllocation, AttemptStatus]]) -> tuple[str, int | None] | None:
+    """Why the attempt failed, if it did: a limit the agent enforced, else the rank that exited
+    with its own non-zero code (before ranks that were merely signalled to stop)."""
+    for alloc, st in sorted(statuses, key=lambda p: p[0].node_rank):
+        if st.stop_cause in _FAILING_STOPS or (st.stopped_reason and st.stop_cause is None):
+            return f"stopped on node {alloc.node_name}: {st.stopped_reason or st.stop_cause}", None
+    bad = [
+        (alloc, rank)
+        for alloc, st in statuses
+        for rank in st.ranks
+        if rank.state == "exited" and rank.exit_code not in (0, None)
+    ]
+    if not bad:
+        return None
+    alloc, rank = min(bad, key=lambda p: (p[1].exit_code < 0, p[0].node_rank, p[1].rank))  # type: ignore[operator]
+    return f"rank {rank.rank} on node {alloc.node_name} exited with code {rank.exit_code}", rank.exit_code
 
 
 def _succeed(session: Session, job: Job, *, now: datetime) -> None:

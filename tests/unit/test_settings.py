@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from hai.settings import Settings
+
+
+def test_sections_read_from_environment(monkeypatch):
+    monkeypatch.setenv("HAI_SCHEDULER__MIN_RUNTIME_S", "42")
+    monkeypatch.setenv("HAI_SCHEDULER__QUANTUM_S", "7200")
+    monkeypatch.setenv("HAI_AGENT__LOST_AFTER_S", "12.5")
+    monkeypatch.setenv("HAI_DB__URL", "postgresql+psycopg://u@h/db")
+    s = Settings()
+    assert (s.scheduler.min_runtime_s, s.scheduler.quantum_s, s.agent.lost_after_s) == (42, 7200, 12.5)
+    assert s.database_url == "postgresql+psycopg://u@h/db"
+
+
+def test_embedded_default_is_sqlite_under_data_dir(tmp_path):
+    s = Settings(data_dir=tmp_path)
+    assert s.database_url == f"sqlite:///{tmp_path / 'hai.db'}"
+
+
+@pytest.mark.parametrize("secret", ["changeme", "admin", "short"])
+def test_default_secrets_refused_outside_development(secret):
+    with pytest.raises(ValidationError, match="refused outside development"):
+        Settings(environment="production", auth={"bootstrap_admin_token": secret})
+    Settings(environment="development", auth={"bootstrap_admin_token": secret})  # fine locally
+
+
+def test_invalid_durations_are_refused():
+    with pytest.raises(ValidationError):
+        Settings(scheduler={"interval_s": 0})
