@@ -88,6 +88,19 @@ class AttemptStatus(_Msg):
     stopped_reason: str | None = None  # why the agent stopped ranks (grace expired, watchdog, runtime)
     checkpoint: CheckpointInfo | None = None
     progress: ProgressInfo | None = None
+    # Added by the agent (optional, older peers ignore them):
+    # every rank of this attempt on this node has ended (or it could not be launched); the status
+    # is final and the agent keeps sending it until the attempt is no longer assigned.
+    finished: bool = False
+    # machine-readable companion of stopped_reason: "requested" (a stop assignment), "suspend"
+    # (stopped after suspend_ready), "suspend_timeout" (suspend_grace_s expired first),
+    # "max_runtime", "log_watchdog", "rank_failed" (another rank of the attempt failed),
+    # "unassigned" (the server no longer assigns it), "not_launched" (stop/suspend arrived for an
+    # attempt this node never launched: nothing ran here).
+    stop_cause: str | None = None
+    started_at: float | None = None  # epoch seconds when the ranks were launched
+    finished_at: float | None = None  # epoch seconds when the last rank here ended
+    suspend_requested_at: float | None = None  # when the agent delivered the suspend request
 
 
 class AgentHello(_Msg):
@@ -133,6 +146,10 @@ class LaunchSpec(_Msg):
     suspend_grace_s: float = 60.0
     log_watchdog_s: float | None = None
     max_runtime_s: float | None = None
+    # Added by the agent (optional): working directory of the ranks (default: the agent's), and
+    # seconds between SIGTERM and SIGKILL when stopping (default: the agent's --kill-grace).
+    cwd: str | None = None
+    stop_grace_s: float | None = None
 
 
 class Assignment(_Msg):

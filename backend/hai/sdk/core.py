@@ -1,0 +1,268 @@
+"""The job side of the checkpoint handshake. Stdlib only.
+
+The channel is the attempt's control directory ``HAI_CONTROL_DIR`` (made by the agent):
+
+- agent -> job: the agent creates ``<control>/suspend`` (JSON: requested_at, grace_s) to ask the
+  job to checkpoint and stop; ``should_suspend()`` looks for it (one ``stat``).
+- job -> agent: each rank appends JSON lines to ``<control>/events.<RANK>.jsonl`` (one ``write``
+  per event, O_APPEND): ``{"type": "checkpoint", "path", "step", "at", "duration_s"}``,
+  ``{"type": "progress", "step", "total", "metrics", "at"}``, ``{"type": "suspend_ready", "at"}``.
+  The agent tails them and reports in its heartbeats.
+
+Outside the platform (no HAI_CONTROL_DIR) every call is a harmless no-op.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any
+
+SUSPEND_FILE = "suspend"
+
+_lock = threading.Lock()
+
+
+class _State:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.latched = False
+        self.pending: Any = None  # async collective of the previous check (work, tensor)
+        self.group: Any = None  # the CPU (gloo) process group the flag travels on
+        self.group_for: Any = None  # the default group it was made for
+        self.progress_last_write: float | None = None
+        self.progress_pending: dict | None = None
+        self.checkpoint_started: float | None = None
+
+
+_state = _State()
+
+
+def _reset() -> None:
+    """Forget the per-process state (tests)."""
+    global _state
+    _state = _State()
+
+
+def control_dir() -> str | None:
+    """The attempt's control directory, or None outside the platform."""
+    d = os.environ.get("HAI_CONTROL_DIR")
+    return d or None
+
+
+def on_platform() -> bool:
+    return control_dir() is not None
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _emit(event: dict) -> None:
+    d = control_dir()
+    if d is None:
+        return
+    event.setdefault("at", time.time())
+    event.setdefault("rank", _rank())
+    event.setdefault("pid", os.getpid())
+    data = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
+    try:
+        fd = os.open(os.path.join(d, f"events.{_rank()}.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return  # the agent's folder vanished: nothing to report to
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ torch.distributed helpers
+
+
+def _dist():
+    """torch.distributed when it is already imported AND initialised with world_size > 1."""
+    mod = sys.modules.get("torch.distributed")
+    if mod is None:
+        return None
+    try:
+        if mod.is_available() and mod.is_initialized() and mod.get_world_size() > 1:
+            return mod
+    except Exception:
+        return None
+    return None
+
+
+def _flag_group(dist):
+    """A CPU (gloo) group for the suspend flag, so checking it never syncs a CUDA stream.
+    Created on first use — a collective call, so every rank must make the same SDK calls."""
+    default = dist.group.WORLD
+    if _state.group is None or _state.group_for is not default:
+        # its own group even when the default one is gloo: the flag never queues behind gradients
+        _state.group = dist.new_group(backend="gloo")
+        _state.group_for = default
+    return _state.group
+
+
+def _local_flag() -> bool:
+    d = control_dir()
+    return d is not None and os.path.exists(os.path.join(d, SUSPEND_FILE))
+
+
+def suspend_requested() -> bool:
+    """This node's agent asked for a suspend (no collective: ranks may differ for a moment).
+    Use ``should_suspend()`` in training loops."""
+    return _local_flag()
+
+
+def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
+    """True when the platform asks the job to checkpoint and stop. Cheap: call it every step.
+
+    In a torch.distributed job (torch.distributed imported and initialised) every rank gets the
+    same answer at the same step: each call starts a small asynchronous all-reduce (MAX) of the
+    local flag on a CPU (gloo) group and returns the result of the previous call's, so no CUDA
+    stream is synchronised and nothing waits on the network. Call it on EVERY rank, the same
+    number of times. ``every``: only check on every N-th call (default: env
+    HAI_SUSPEND_CHECK_EVERY or 1). ``sync=False``: no collective (only this rank's view).
+    Once True it stays True. Outside the platform: always False, no collective.
+    """
+    if control_dir() is None:
+        return False
+    st = _state
+    if st.latched:
+        return True
+    st.calls += 1
+    if every is None:
+        try:
+            every = int(os.environ.get("HAI_SUSPEND_CHECK_EVERY", "1"))
+        except ValueError:
+            every = 1
+    if every > 1 and (st.calls - 1) % every:
+        return False
+    dist = _dist() if sync else None
+    if dist is None:
+        if _local_flag():
+            st.latched = True
+        return st.latched
+    import torch  # torch.distributed is initialised, so torch is importable
+
+    group = _flag_group(dist)
+    decided = False
+    if st.pending is not None:
+        work, tensor = st.pending
+        work.wait()
+        decided = bool(tensor.item() > 0)
+        st.pending = None
+    if decided:
+        st.latched = True
+        return True
+    tensor = torch.tensor([1 if _local_flag() else 0], dtype=torch.int32)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    st.pending = (work, tensor)
+    return False
+
+
+def _barrier_all() -> None:
+    """A barrier over every rank on the SDK's CPU group (no-op when not distributed)."""
+    dist = _dist()
+    if dist is None:
+        return
+    st = _state
+    if st.pending is not None:  # finish the flag collective first: keep the call sequence aligned
+        st.pending[0].wait()
+        st.pending = None
+    dist.barrier(group=_flag_group(dist))
+
+
+barrier = _barrier_all
+
+
+def suspend_ready(*, barrier: bool = True) -> None:
+    """The job's checkpoint is safe: the platform may stop it now.
+
+    Call it on every rank after the checkpoint is written. In a torch.distributed job it first
+    waits for every rank (a barrier on the SDK's CPU group), so no rank is stopped while another
+    is still writing; pass ``barrier=False`` when only some ranks call it."""
+    if control_dir() is None:
+        return
+    if barrier:
+        _barrier_all()
+    _emit({"type": "suspend_ready"})
+
+
+def resume_path() -> str | None:
+    """The checkpoint to resume from (HAI_RESUME_FROM) when this attempt is a resume, else None."""
+    p = os.environ.get("HAI_RESUME_FROM")
+    return p or None
+
+
+def checkpoint_dir() -> str | None:
+    """The job's checkpoint folder (HAI_CHECKPOINT_DIR; it outlives attempts), or None."""
+    p = os.environ.get("HAI_CHECKPOINT_DIR")
+    return p or None
+
+
+def report_checkpoint(path: str, step: int | None = None, *, duration_s: float | None = None) -> None:
+    """Record the job's latest safe checkpoint (the platform resumes from it). ``duration_s``
+    (how long saving took; the scheduler uses it) defaults to the time since ``checkpointing()``
+    was entered, when it was used."""
+    if control_dir() is None:
+        return
+    if duration_s is None and _state.checkpoint_started is not None:
+        duration_s = time.time() - _state.checkpoint_started
+    _emit({"type": "checkpoint", "path": os.path.abspath(path), "step": step,
+           "duration_s": round(duration_s, 6) if duration_s is not None else None})
+
+
+@contextmanager
+def checkpointing():
+    """Times a checkpoint: ``with checkpointing(): save(...); report_checkpoint(path, step)``."""
+    _state.checkpoint_started = time.time()
+    try:
+        yield
+    finally:
+        _state.checkpoint_started = None
+
+
+def _progress_interval() -> float:
+    try:
+        return float(os.environ.get("HAI_PROGRESS_INTERVAL_S", "1.0"))
+    except ValueError:
+        return 1.0
+
+
+def _flush_progress() -> None:
+    with _lock:
+        ev = _state.progress_pending
+        _state.progress_pending = None
+    if ev is not None:
+        _emit(ev)
+
+
+atexit.register(_flush_progress)
+
+
+def report_progress(step: int, total: int | None = None, **metrics: float) -> None:
+    """Report training progress (shown with the job). Cheap to call every step: written at most
+    every HAI_PROGRESS_INTERVAL_S (1 s), the last one at exit or when step == total."""
+    if control_dir() is None:
+        return
+    ev = {"type": "progress", "step": int(step), "total": total, "at": time.time(),
+          "metrics": {k: float(v) for k, v in metrics.items()}}
+    now = time.monotonic()
+    with _lock:
+        last = _state.progress_last_write
+        due = last is None or now - last >= _progress_interval() or (total is not None and step >= total)
+        if not due:
+            _state.progress_pending = ev
+            return
+        _state.progress_last_write = now
+        _state.progress_pending = None
+    _emit(ev)
