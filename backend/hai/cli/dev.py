@@ -41,12 +41,15 @@ def _read_or_create_secret(path: Path, prefix: str) -> str:
 
 
 def agent_layout(count: int) -> list[tuple[str, str, str]]:
-    """(node, zone, leaf) for `count` agents: two zones (A, B), two leaves per zone."""
+    """(node, zone, leaf) for `count` agents. Four or more: the first half in zone A, the rest in
+    zone B, each zone split over two leaf switches (4 agents: A1, A2, B1, B2). Fewer: one zone,
+    so that a multi-node job still fits."""
+    zones = [("A", (count + 1) // 2), ("B", count // 2)] if count >= 4 else [("A", count)]
     out = []
-    for i in range(count):
-        zone = "AB"[i % 2]
-        leaf = f"{zone}{(i // 2) % 2 + 1}"
-        out.append((f"node-{i + 1:02d}", zone, leaf))
+    for zone, size in zones:
+        for j in range(size):
+            leaf = f"{zone}{1 if j < (size + 1) // 2 else 2}"
+            out.append((f"node-{len(out) + 1:02d}", zone, leaf))
     return out
 
 

@@ -20,6 +20,7 @@ client.register(app)
 
 def _logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _settings(data_dir: Path | None = None):  # noqa: ANN202

@@ -1,0 +1,139 @@
+"""The whole system: `hai dev` as a real process (API server, scheduler, agent processes), on
+loopback, on a fresh data dir. Tests talk to it over HTTP like a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import httpx
+import pytest
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "condition", interval: float = 0.1) -> T:
+    """Poll a condition until it holds (returns its truthy value) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+
+
+@dataclass
+class Stack:
+    url: str
+    data_dir: Path
+    proc: subprocess.Popen
+    admin_token: str
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token or self.admin_token}"}, timeout=30)
+
+    def job(self, job_id: int) -> dict:
+        with self.client() as c:
+            r = c.get(f"/api/v1/jobs/{job_id}")
+            r.raise_for_status()
+            return r.json()
+
+    def submit(self, **body) -> dict:
+        body.setdefault("name", "e2e")
+        with self.client() as c:
+            r = c.post("/api/v1/jobs", json=body)
+            assert r.status_code == 201, r.text
+            return r.json()
+
+    def wait_state(self, job_id: int, states: set[str], timeout: float = 90) -> dict:
+        return wait_for(lambda: (j := self.job(job_id))["state"] in states and j, timeout=timeout,
+                        what=f"job {job_id} to reach {sorted(states)}")
+
+    def logs(self, job_id: int, **params) -> str:
+        with self.client() as c:
+            return c.get(f"/api/v1/jobs/{job_id}/logs", params=params).text
+
+    def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        env = {**os.environ, "HAI_SERVER": self.url, "HAI_TOKEN": self.admin_token}
+        out = subprocess.run([sys.executable, "-m", "hai.cli.main", *args], env=env, capture_output=True, text=True, timeout=120)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return out
+
+
+def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None) -> Stack:
+    port = free_port()
+    data_dir = tmp_path / "hai"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HAI_FRONTEND_DIST": str(tmp_path / "no-dashboard"), **(extra_env or {})}
+    log = (tmp_path / "dev.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", str(agents), "--data-dir", str(data_dir)],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"hai dev exited with {proc.returncode}: {(tmp_path / 'dev.log').read_text()[-3000:]}")
+        token_file = data_dir / "admin-token"
+        if not token_file.exists():
+            return None
+        try:
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token_file.read_text().strip()}"}) as c:
+                nodes = c.get("/api/v1/nodes").json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return isinstance(nodes, list) and len([n for n in nodes if n["state"] == "ready"]) == agents
+
+    wait_for(ready, timeout=90, what="hai dev and its agents")
+    return Stack(url=url, data_dir=data_dir, proc=proc, admin_token=(data_dir / "admin-token").read_text().strip())
+
+
+def stop_stack(stack: Stack) -> None:
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGINT)
+        try:
+            stack.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(stack.proc.pid, signal.SIGKILL)
+            stack.proc.wait(10)
+
+
+@pytest.fixture
+def stack(tmp_path):
+    s = start_stack(tmp_path, agents=2)
+    yield s
+    stop_stack(s)
+
+
+def processes_with_env(key: str, value: str) -> list[int]:
+    """PIDs of live processes whose environment holds key=value (reads /proc, like ps e)."""
+    needle = f"{key}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if needle in env and ") Z " not in stat:
+            pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,56 @@
+"""End to end: `hai dev` with 2 fake-GPU agents on loopback; real job processes."""
+
+from __future__ import annotations
+
+from tests.e2e.conftest import processes_with_env, wait_for
+
+
+def test_two_node_job_prints_each_rank_and_succeeds(stack):
+    job = stack.submit(
+        name="ranks", nodes=2, gpus_per_node=8,
+        command=["python3", "-c", "import os; print('hello from rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])"],
+    )
+    done = stack.wait_state(job["id"], {"succeeded", "failed", "cancelled"})
+    assert done["state"] == "succeeded", done
+    assert done["exit_code"] == 0
+    assert sorted(p["node"] for p in done["placement"]) == ["node-01", "node-02"]
+    assert [e["to_state"] for e in done["events"]][:2] == ["queued", "starting"]
+    logs = wait_for(lambda: (t := stack.logs(job["id"])).count("hello") == 2 and t, what="both ranks' lines")
+    assert "[rank 0] hello from rank 0 of 2" in logs.splitlines()
+    assert "[rank 1] hello from rank 1 of 2" in logs.splitlines()
+
+
+def test_failing_command_ends_failed_with_its_exit_code(stack):
+    job = stack.submit(name="fails", gpus_per_node=1, command=["bash", "-c", "echo about to fail; exit 7"])
+    done = stack.wait_state(job["id"], {"succeeded", "failed", "cancelled"})
+    assert done["state"] == "failed"
+    assert done["exit_code"] == 7
+    assert "exited with code 7" in done["failure_reason"]
+    assert "about to fail" in wait_for(lambda: stack.logs(job["id"]), what="the failing job's log")
+
+
+def test_cancelled_long_job_leaves_no_process_behind(stack):
+    job = stack.submit(name="long", nodes=2, command=["bash", "-c", "echo started; sleep 600"])
+    stack.wait_state(job["id"], {"running"})
+    wait_for(lambda: len(processes_with_env("HAI_JOB_ID", str(job["id"]))) >= 2, what="the job's processes")
+    with stack.client() as c:
+        assert c.post(f"/api/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
+    # every rank is stopped and the GPUs come back
+    wait_for(lambda: processes_with_env("HAI_JOB_ID", str(job["id"])) == [], timeout=60, what="no process left")
+    with stack.client() as c:
+        wait_for(lambda: all(n["free_gpus"] == n["gpus"] for n in c.get("/api/v1/nodes").json()), what="GPUs released")
+    assert stack.job(job["id"])["state"] == "cancelled"
+
+
+def test_cli_round_trip(stack):
+    out = stack.cli("submit", "--gpus-per-node", "2", "--name", "cli", "--", "echo", "via cli", check=True)
+    job_id = int(out.stdout.strip())
+    stack.wait_state(job_id, {"succeeded"})
+    assert "[rank 0] via cli" in stack.cli("logs", str(job_id), check=True).stdout
+    follow = stack.cli("logs", "-f", str(job_id), check=True)
+    assert "via cli" in follow.stdout and "ended: succeeded" in follow.stderr
+    assert "succeeded" in stack.cli("jobs", check=True).stdout
+    assert "node-01" in stack.cli("nodes", check=True).stdout
+    bad = stack.cli("submit", "--nodes", "3", "--", "true")
+    assert bad.returncode == 2 and "nodes" in bad.stderr
+    assert stack.cli("cancel", str(job_id)).returncode == 1
