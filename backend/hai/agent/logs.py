@@ -1,0 +1,302 @@
+"""Log capture and shipping.
+
+Ranks write stdout/stderr to files in the attempt's folder (so they never depend on the agent).
+A tailer reads new complete lines from those files (persisting read offsets and the per-rank
+``seq`` counter, so an agent restart continues where it stopped) and offers them to a BOUNDED
+buffer; the shipper drains the buffer in batches to the server. A job is never blocked by log
+shipping: when the buffer is full, lines are dropped and counted, and the count is announced
+in-band as a ``system`` line ``[hai] N lines dropped (log buffer full)`` in the same sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hai.protocol import LogLine
+
+log = logging.getLogger("hai.agent.logs")
+
+MAX_LINE_BYTES = 16 * 1024  # longer lines are cut (the rest becomes the next line)
+READ_CHUNK = 1 << 20  # bytes read per file per round
+
+
+class LogBuffer:
+    """Bounded FIFO of LogLines (by count and by bytes). ``offer`` never blocks."""
+
+    def __init__(self, max_lines: int = 10000, max_bytes: int = 16 << 20):
+        self.max_lines = max_lines
+        self.max_bytes = max_bytes
+        self._q: deque[LogLine] = deque()
+        self._bytes = 0
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._q)
+
+    def free(self) -> tuple[int, int]:
+        """(free line slots, free bytes) right now; only ever grows until the next offer."""
+        with self._cond:
+            return self.max_lines - len(self._q), self.max_bytes - self._bytes
+
+    def offer(self, line: LogLine) -> bool:
+        size = len(line.line)
+        with self._cond:
+            if len(self._q) >= self.max_lines or self._bytes + size > self.max_bytes:
+                return False
+            self._q.append(line)
+            self._bytes += size
+            self._cond.notify()
+            return True
+
+    def offer_many(self, lines: list[LogLine]) -> int:
+        n = 0
+        for ln in lines:
+            if not self.offer(ln):
+                break
+            n += 1
+        return n
+
+    def take(self, max_lines: int, max_bytes: int, timeout: float) -> list[LogLine]:
+        """Up to max_lines/max_bytes lines; waits up to ``timeout`` for the first one."""
+        with self._cond:
+            if not self._q:
+                self._cond.wait(timeout)
+            out: list[LogLine] = []
+            size = 0
+            while self._q and len(out) < max_lines:
+                ln = self._q[0]
+                if out and size + len(ln.line) > max_bytes:
+                    break
+                self._q.popleft()
+                self._bytes -= len(ln.line)
+                size += len(ln.line)
+                out.append(ln)
+            return out
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+@dataclass
+class StreamTail:
+    path: str
+    stream: str  # stdout | stderr
+    offset: int = 0
+
+
+@dataclass
+class RankTail:
+    rank: int
+    streams: list[StreamTail]
+    seq: int = 0
+    dropped: int = 0  # dropped and not yet announced
+
+
+@dataclass
+class AttemptTail:
+    """Tail state of one attempt: read offsets and seq counters, persisted in ``state_path``."""
+
+    job_id: int
+    attempt: int
+    state_path: str
+    ranks: dict[int, RankTail] = field(default_factory=dict)
+    last_output_at: float | None = None
+    lines_total: int = 0
+    dropped_total: int = 0
+
+    def save(self) -> None:
+        data = {
+            "ranks": {
+                str(r.rank): {"seq": r.seq, "dropped": r.dropped,
+                              "offsets": {s.stream: s.offset for s in r.streams}}
+                for r in self.ranks.values()
+            },
+            "lines_total": self.lines_total,
+            "dropped_total": self.dropped_total,
+        }
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.state_path)
+
+    def load(self) -> None:
+        try:
+            with open(self.state_path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return
+        self.lines_total = int(data.get("lines_total", 0))
+        self.dropped_total = int(data.get("dropped_total", 0))
+        for key, rs in data.get("ranks", {}).items():
+            r = self.ranks.get(int(key))
+            if r is None:
+                continue
+            r.seq = int(rs.get("seq", 0))
+            r.dropped = int(rs.get("dropped", 0))
+            for s in r.streams:
+                s.offset = int(rs.get("offsets", {}).get(s.stream, 0))
+
+
+def _split_lines(data: bytes, final: bool) -> tuple[list[bytes], int]:
+    """Complete lines of ``data`` and how many bytes they use. A trailing partial line stays
+    unread unless ``final`` (the writer is gone) or it is longer than MAX_LINE_BYTES."""
+    lines: list[bytes] = []
+    pos = 0
+    n = len(data)
+    while pos < n:
+        nl = data.find(b"\n", pos, pos + MAX_LINE_BYTES + 1)
+        if nl >= 0:
+            lines.append(data[pos:nl])
+            pos = nl + 1
+        elif n - pos > MAX_LINE_BYTES:
+            lines.append(data[pos : pos + MAX_LINE_BYTES])
+            pos += MAX_LINE_BYTES
+        elif final:
+            lines.append(data[pos:])
+            pos = n
+        else:
+            break
+    return lines, pos
+
+
+def tail_attempt(t: AttemptTail, buf: LogBuffer, *, final: bool, now: Callable[[], float] = time.time,
+                 max_file_bytes: int | None = 256 << 20) -> tuple[int, bool]:
+    """One round over the attempt's files: read new lines, give them seqs, persist the tail
+    state, then offer them to the buffer (lines that do not fit are dropped and counted; the
+    drop marker goes out as soon as there is room). Persisting before offering means a line that
+    may have been shipped never gets a second seq after an agent restart.
+
+    ``final``: the ranks have ended, so a last line without a newline is complete too.
+    Returns (lines read, whether everything in the files has been consumed)."""
+    free_lines, free_bytes = buf.free()
+    out: list[LogLine] = []
+    read = 0
+    drained = True
+    changed = False
+    for r in t.ranks.values():
+        for s in r.streams:
+            try:
+                fd = os.open(s.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                if size < s.offset:  # truncated (rotated) under us: start again at 0
+                    s.offset = 0
+                    changed = True
+                if size == s.offset:
+                    continue
+                data = os.pread(fd, READ_CHUNK, s.offset)
+            finally:
+                os.close(fd)
+            at_end = s.offset + len(data) >= size
+            lines, used = _split_lines(data, final and at_end)
+            if s.offset + used < size:
+                drained = False
+            if not used:
+                continue
+            s.offset += used
+            changed = True
+            ts = now()
+            for raw in lines:
+                text = raw.decode("utf-8", "replace").rstrip("\r")
+                read += 1
+                if r.dropped and free_lines > 0:
+                    marker = f"[hai] {r.dropped} lines dropped (log buffer full)"
+                    out.append(LogLine(job_id=t.job_id, attempt=t.attempt, rank=r.rank, seq=r.seq,
+                                       ts=ts, stream="system", line=marker))
+                    r.seq += 1
+                    r.dropped = 0
+                    free_lines -= 1
+                    free_bytes -= len(marker)
+                if free_lines > 0 and free_bytes >= len(text):
+                    out.append(LogLine(job_id=t.job_id, attempt=t.attempt, rank=r.rank, seq=r.seq,
+                                       ts=ts, stream=s.stream, line=text))  # type: ignore[arg-type]
+                    r.seq += 1
+                    free_lines -= 1
+                    free_bytes -= len(text)
+                else:
+                    r.dropped += 1
+                    t.dropped_total += 1
+            # keep the disk bounded under a flood: rotate a fully consumed, very large file
+            if max_file_bytes and s.offset >= size and size > max_file_bytes:
+                try:
+                    lost = os.stat(s.path).st_size - s.offset
+                    os.truncate(s.path, 0)
+                    s.offset = 0
+                    if lost > 0:
+                        r.dropped += 1
+                        t.dropped_total += 1
+                except OSError:
+                    pass
+    # a pending drop marker with no new line to ride on
+    for r in t.ranks.values():
+        if r.dropped and free_lines > 0:
+            marker = f"[hai] {r.dropped} lines dropped (log buffer full)"
+            out.append(LogLine(job_id=t.job_id, attempt=t.attempt, rank=r.rank, seq=r.seq,
+                               ts=now(), stream="system", line=marker))
+            r.seq += 1
+            r.dropped = 0
+            free_lines -= 1
+            changed = True
+        if r.dropped:
+            drained = False
+    if read:
+        t.last_output_at = now()
+        t.lines_total += read
+    if changed:
+        t.save()
+    if out:
+        buf.offer_many(out)
+    return read, drained
+
+
+class LogShipper(threading.Thread):
+    """Drains the buffer in batches through ``send(lines)``; a failed batch is retried (with
+    backoff) — seqs make re-sends harmless — while the buffer keeps absorbing (and dropping)."""
+
+    def __init__(self, buf: LogBuffer, send: Callable[[list[LogLine]], None], *,
+                 stop: threading.Event, batch_lines: int = 2000, batch_bytes: int = 1 << 20,
+                 backoff_max_s: float = 10.0):
+        super().__init__(name="hai-agent-logs", daemon=True)
+        self.buf = buf
+        self.send = send
+        self.stop = stop
+        self.batch_lines = batch_lines
+        self.batch_bytes = batch_bytes
+        self.backoff_max_s = backoff_max_s
+        self.shipped = 0
+        self.idle = threading.Event()
+
+    def run(self) -> None:
+        pending: list[LogLine] = []
+        backoff = 0.2
+        while True:
+            if not pending:
+                if self.stop.is_set() and len(self.buf) == 0:
+                    return
+                pending = self.buf.take(self.batch_lines, self.batch_bytes, timeout=0.2)
+                if not pending:
+                    self.idle.set()
+                    continue
+                self.idle.clear()
+            try:
+                self.send(pending)
+            except Exception as e:  # server unreachable or refusing: keep the batch, back off
+                log.debug("log shipping failed (%s); retrying in %.1fs", e, backoff)
+                if self.stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.backoff_max_s)
+                continue
+            self.shipped += len(pending)
+            pending = []
+            backoff = 0.2

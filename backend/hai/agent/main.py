@@ -1,0 +1,370 @@
+"""The agent process: handshake, heartbeats (long poll), supervision, log tailing and shipping.
+
+Threads: the caller's thread runs the reporter loop (register, heartbeats, applying replies);
+``hai-agent-supervise`` ticks the NodeAgent (rank exits, suspend handshake, deadlines);
+``hai-agent-tail`` reads the ranks' log files into the bounded buffer; ``hai-agent-logs`` ships
+the buffer to the server; ``hai-agent-poll`` holds the long-poll heartbeat.
+
+Heartbeats: one long poll (``wait_s``) is in flight at a time; when the local state changes (a
+rank exits, the job says suspend_ready, a checkpoint is reported) the reporter sends a short
+heartbeat (``wait_s=0``) at once, without waiting for the long poll. Replies are applied in the
+order their requests were sent: a reply to an older request than the last applied one is not
+applied (the next long poll carries our digest, so the server answers it at once if anything
+changed). Server unreachable: the jobs keep running; retries back off exponentially (capped).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected, ServerUnavailable
+from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
+from hai.agent.logs import LogBuffer, LogShipper
+from hai.agent.node import NodeAgent
+from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
+
+log = logging.getLogger("hai.agent")
+
+AGENT_VERSION = "0.1.0"
+
+
+def detect_address(server: str) -> str:
+    """The address of the interface this host uses to reach the server."""
+    u = urlparse(server)
+    host = u.hostname or "127.0.0.1"
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+
+class Backoff:
+    def __init__(self, base_s: float = 0.5, cap_s: float = 10.0):
+        self.base_s, self.cap_s = base_s, cap_s
+        self.n = 0
+
+    def next(self) -> float:
+        d = min(self.cap_s, self.base_s * (2 ** self.n))
+        self.n += 1
+        return d * random.uniform(0.8, 1.2)
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+@dataclass
+class _Result:
+    seq: int
+    sent_at: float
+    sent_mono: float
+    statuses: list[AttemptStatus]
+    reply: ServerReply | None = None
+    error: Exception | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        server: str,
+        token: str,
+        node: str,
+        zone: str | None,
+        leaf: str | None,
+        gpus: GpuBackend,
+        state_dir: str,
+        address: str | None = None,
+        heartbeat_wait_s: float = 10.0,
+        stop_event: threading.Event | None = None,
+        checkpoint_root: str | None = None,
+        kill_grace_s: float = 10.0,
+        stop_jobs_on_exit: bool = False,
+        backoff_max_s: float = 10.0,
+        log_buffer_lines: int = 10000,
+        sysfs: str = "/sys",
+    ):
+        self.server = server
+        self.token = token
+        self.node_name = node
+        self.zone, self.leaf = zone, leaf
+        self.address = address or detect_address(server)
+        self.wait_s = max(0.0, min(60.0, heartbeat_wait_s))
+        self.stop = stop_event or threading.Event()
+        self.stop_jobs_on_exit = stop_jobs_on_exit
+        self.backoff = Backoff(cap_s=backoff_max_s)
+        self.backoff_max_s = backoff_max_s
+        self.gpus = gpus
+        self.nics = discover_nics(sysfs)
+        self.buf = LogBuffer(max_lines=log_buffer_lines)
+        self._dirty = threading.Event()
+        self._wake = threading.Event()
+        self.node = NodeAgent(node=node, state_dir=state_dir, gpus=gpus, nics=self.nics, log_buffer=self.buf,
+                              checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s, sysfs=sysfs,
+                              on_change=self._changed)
+        self._seq = itertools.count()
+        self._seq_lock = threading.Lock()
+        self.last_applied_seq = -1
+        self.digest: str | None = None
+        self.interval_s = 1.0
+        self.registered = False
+        self.connected = False
+
+    # -------------------------------------------------------------- helpers
+
+    def _changed(self) -> None:
+        self._dirty.set()
+        self._wake.set()
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def _hello(self, statuses: list[AttemptStatus]) -> AgentHello:
+        return AgentHello(node=self.node_name, zone=self.zone, leaf=self.leaf, address=self.address,
+                          gpus=self.node.gpu_inventory, nics=self.nics, fake_gpus=self.gpus.fake,
+                          agent_version=AGENT_VERSION, attempts=statuses)
+
+    def _exchange(self, client: AgentClient, *, register: bool, wait_s: float) -> _Result:
+        seq = self._next_seq()
+        sent_at, sent_mono = time.time(), time.monotonic()
+        statuses = self.node.statuses()
+        res = _Result(seq=seq, sent_at=sent_at, sent_mono=sent_mono, statuses=statuses)
+        try:
+            if register:
+                res.reply = client.register(self._hello(statuses))
+            else:
+                hb = Heartbeat(node=self.node_name, gpus=self.node.gpu_metrics(), attempts=statuses,
+                               wait_s=wait_s, assignments_digest=self.digest)
+                res.reply = client.heartbeat(hb)
+        except Exception as e:  # classified by _handle
+            res.error = e
+        return res
+
+    def _handle(self, res: _Result) -> float | None:
+        """Apply a reply (or note an error). Returns the backoff delay after an error."""
+        if res.error is not None:
+            e = res.error
+            if isinstance(e, ProtocolVersionUnsupported):
+                raise e
+            if isinstance(e, Rejected):
+                log.error("the server refused the agent's message: %s", e)
+                if e.status in (401, 403):
+                    log.error("check the agent token (--token)")
+            elif self.connected or self.backoff.n == 0:
+                log.warning("server %s unreachable (%s); jobs keep running, retrying", self.server, e)
+            else:
+                log.debug("server still unreachable: %s", e)
+            self.connected = False
+            return self.backoff.next()
+        if not self.connected:
+            log.info("connected to %s as node %s", self.server, self.node_name)
+        self.connected = True
+        self.backoff.reset()
+        reply = res.reply
+        assert reply is not None
+        self.node.mark_reported(res.statuses)
+        if reply.reregister:
+            log.info("the server asks this node to register again")
+            self.registered = False
+            return None
+        if res.seq > self.last_applied_seq:
+            self.last_applied_seq = res.seq
+            self.digest = reply.assignments_digest
+            self.interval_s = max(0.05, reply.heartbeat_interval_s)
+            self.node.apply(reply.assignments, sent_at=res.sent_at)
+        return None
+
+    # -------------------------------------------------------------- threads
+
+    def _loop(self, name: str, fn, period_s: float) -> threading.Thread:
+        def run():
+            while not self._threads_stop.is_set():
+                busy = False
+                try:
+                    busy = bool(fn())
+                except Exception:
+                    log.exception("%s failed", name)
+                if not busy:
+                    self._threads_stop.wait(period_s)
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        t.start()
+        return t
+
+    def _send_logs(self, lines: list[LogLine]) -> None:
+        self._log_client.logs(LogBatch(node=self.node_name, lines=lines))
+
+    # -------------------------------------------------------------- main
+
+    def run(self) -> None:
+        installed = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                installed.append((sig, signal.signal(sig, lambda s, f: (self.stop.set(), self._wake.set()))))
+        self._threads_stop = threading.Event()
+        self._ship_stop = threading.Event()
+        client = AgentClient(self.server, self.token)
+        poll_client = AgentClient(self.server, self.token)
+        self._log_client = AgentClient(self.server, self.token)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hai-agent-poll")
+        shipper = LogShipper(self.buf, self._send_logs, stop=self._ship_stop, backoff_max_s=self.backoff_max_s)
+        threads = []
+        try:
+            self.node.recover()
+            threads.append(self._loop("hai-agent-supervise", lambda: self.node.tick(), 0.1))
+            threads.append(self._loop("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1))
+            shipper.start()
+            log.info("agent %s starting: server %s, %d %sGPU(s), state dir %s", self.node_name, self.server,
+                     len(self.node.gpu_inventory), "fake " if self.gpus.fake else "", self.node.state_dir)
+            self._reporter(client, poll_client, pool)
+        finally:
+            if self.stop_jobs_on_exit:
+                self._stop_jobs(client)
+            self._threads_stop.set()
+            for t in threads:
+                t.join(timeout=5)
+            try:  # last lines out, briefly
+                self.node.tail_logs()
+            except Exception:
+                pass
+            self._ship_stop.set()
+            self.buf.wake()
+            shipper.join(timeout=3)
+            pool.shutdown(wait=False, cancel_futures=True)
+            for c in (client, poll_client, self._log_client):
+                c.close()
+            self.gpus.close()
+            for sig, old in installed:
+                signal.signal(sig, old)
+            log.info("agent %s stopped", self.node_name)
+
+    def _stop_jobs(self, client: AgentClient) -> None:
+        self.node.stop_all()
+        deadline = time.monotonic() + self.node.kill_grace_s + 10
+        while self.node.running() and time.monotonic() < deadline:
+            self.node.tick()
+            self._threads_stop.wait(0.05)
+        self.node.tick()
+        if self.registered:  # report the final statuses once, best effort
+            res = self._exchange(client, register=False, wait_s=0.0)
+            if res.error is None:
+                self.node.mark_reported(res.statuses)
+
+    def _reporter(self, client: AgentClient, poll_client: AgentClient, pool: ThreadPoolExecutor) -> None:
+        poll: Future | None = None
+        next_poll = 0.0  # monotonic time of the next long poll
+        next_urgent = 0.0
+        in_backoff = False
+        while not self.stop.is_set():
+            self._wake.clear()
+            now = time.monotonic()
+            if not self.registered:
+                if now < next_poll:
+                    self._wake.wait(next_poll - now)
+                    continue
+                res = self._exchange(client, register=True, wait_s=0)
+                if res.error is None:
+                    self.registered = True
+                    log.info("registered node %s (%s) at %s", self.node_name, self.address, self.server)
+                delay = self._handle(res)
+                if delay is not None:
+                    next_poll = time.monotonic() + delay
+                    in_backoff = True
+                else:
+                    next_poll = 0.0
+                    in_backoff = False
+                continue
+            if poll is None and self._dirty.is_set() and not in_backoff:
+                next_poll = min(next_poll, now)
+            if poll is None and now >= next_poll:
+                self._dirty.clear()
+                poll = pool.submit(self._exchange, poll_client, register=False, wait_s=self.wait_s)
+                poll.add_done_callback(lambda f: self._wake.set())
+            elif poll is not None and self._dirty.is_set() and now >= next_urgent and self.connected:
+                self._dirty.clear()
+                next_urgent = now + 0.05
+                res = self._exchange(client, register=False, wait_s=0.0)
+                delay = self._handle(res)
+                if delay is not None:
+                    in_backoff = True
+            if poll is not None and poll.done():
+                res = poll.result()
+                poll = None
+                delay = self._handle(res)
+                if delay is not None:
+                    next_poll = time.monotonic() + delay
+                    in_backoff = True
+                else:
+                    in_backoff = False
+                    next_poll = res.sent_mono + self.interval_s
+                continue
+            now = time.monotonic()
+            if poll is None:
+                timeout = max(0.0, min(1.0, next_poll - now))
+            elif self._dirty.is_set() and self.connected:
+                timeout = max(0.0, next_urgent - now)
+            else:
+                timeout = 1.0
+            if timeout > 0:
+                self._wake.wait(timeout)
+
+
+def run_agent(
+    *,
+    server: str,
+    token: str,
+    node: str,
+    zone: str | None,
+    leaf: str | None,
+    fake_gpus: int | None,
+    state_dir: str,
+    address: str | None = None,
+    heartbeat_wait_s: float = 10.0,
+    stop_event: threading.Event | None = None,
+    gpu_indices: list[int] | None = None,
+    checkpoint_root: str | None = None,
+    kill_grace_s: float = 10.0,
+    stop_jobs_on_exit: bool = False,
+    backoff_max_s: float = 10.0,
+    log_buffer_lines: int = 10000,
+) -> None:
+    """Run a node agent until ``stop_event`` is set or SIGTERM/SIGINT (main thread only).
+
+    ``fake_gpus`` N: N fake GPUs (their utilisation follows the running ranks); None: NVML.
+    ``gpu_indices``: use only these NVML GPUs (default: env HAI_AGENT_GPUS="0,1", else all) —
+    e.g. two agents on one host standing for two nodes.
+    ``checkpoint_root``: where HAI_CHECKPOINT_DIR lives (default: env HAI_CHECKPOINT_ROOT, else
+    <state_dir>/jobs); set it to a shared filesystem so a job can resume on another node.
+    ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
+    running and a restarted agent reattaches to them.
+    Raises SystemExit with a clear message when the server refuses the protocol version (426).
+    """
+    if gpu_indices is None and os.environ.get("HAI_AGENT_GPUS"):
+        gpu_indices = [int(x) for x in os.environ["HAI_AGENT_GPUS"].split(",") if x.strip()]
+    gpus = make_gpu_backend(fake_gpus=fake_gpus, node=node, indices=gpu_indices)
+    agent = Agent(server=server, token=token, node=node, zone=zone, leaf=leaf, gpus=gpus, state_dir=state_dir,
+                  address=address, heartbeat_wait_s=heartbeat_wait_s, stop_event=stop_event,
+                  checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s,
+                  stop_jobs_on_exit=stop_jobs_on_exit, backoff_max_s=backoff_max_s,
+                  log_buffer_lines=log_buffer_lines)
+    try:
+        agent.run()
+    except ProtocolVersionUnsupported as e:
+        log.error("%s", e)
+        raise SystemExit(f"hai agent: {e}") from None

@@ -1,0 +1,199 @@
+"""The rank wrapper: the process the agent launches for each rank.
+
+    python -I -S rankwrap.py --exit-file F --pid-file P [--cpus 0,1,2] -- CMD ARGS...
+
+It is the leader of the rank's process group and session (the agent starts it with
+``start_new_session``), runs CMD as its child with the stdio it inherited (the rank's log files
+under the agent's state dir), waits for it and writes the exit code to ``--exit-file`` atomically.
+So a rank does not depend on the agent: the agent may die and come back, re-read the pid and
+exit files and reattach — no second launch, no orphan.
+
+- SIGTERM/SIGINT/SIGHUP sent to the group reach the command; the wrapper itself only notes them
+  and keeps waiting, so it can record how the command ended. SIGKILL ends both.
+- It is a child subreaper: descendants that daemonize are re-parented to it. When the command
+  ends, whatever is left of its process group or below the wrapper is killed (no process left
+  behind) before the wrapper exits with the command's exit code.
+- ``--cpus`` binds the command to those CPUs (sched_setaffinity, inherited by the child).
+
+Exit codes follow the shell convention: 128 + N when the command was killed by signal N, 127 when
+it could not be found, 126 when it could not be executed.
+
+Stdlib only and importable without the ``hai`` package: the agent runs this file by path in
+isolated mode, so the job's environment (PYTHONPATH, PYTHONHOME, ...) cannot break it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _write_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("ascii", "replace")
+        return int(data[data.rfind(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_subreaper() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except Exception:  # not fatal: only daemonizing grandchildren escape then
+        pass
+
+
+def _leftovers(me: int) -> list[int]:
+    """Processes in our process group, or our children (adopted orphans), other than us."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = data[data.rfind(")") + 2 :].split()
+        if len(fields) < 3 or fields[0] in ("Z", "X"):
+            continue
+        ppid, pgrp = int(fields[1]), int(fields[2])
+        if pgrp == me or ppid == me:
+            out.append(int(name))
+    return out
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _cleanup(me: int) -> None:
+    """Kill what the command left behind (it ended; the rank is over)."""
+    for _ in range(50):
+        left = _leftovers(me)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            _reap_all()
+            if not _leftovers(me):
+                break
+            time.sleep(0.01)
+    _reap_all()
+
+
+def main(argv: list[str]) -> int:
+    exit_file = pid_file = None
+    cpus: list[int] | None = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            i += 1
+            break
+        if a == "--exit-file":
+            exit_file = argv[i + 1]
+            i += 2
+        elif a == "--pid-file":
+            pid_file = argv[i + 1]
+            i += 2
+        elif a == "--cpus":
+            cpus = [int(c) for c in argv[i + 1].split(",") if c]
+            i += 2
+        else:
+            print(f"[hai] rankwrap: unknown option {a}", file=sys.stderr)
+            return 2
+    cmd = argv[i:]
+    if not cmd or exit_file is None:
+        print("[hai] rankwrap: usage: --exit-file F [--pid-file P] [--cpus L] -- CMD...", file=sys.stderr)
+        return 2
+
+    me = os.getpid()
+    # Python-level handlers (not SIG_IGN) so the child's exec resets them to the default.
+    got: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    _set_subreaper()
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            print(f"[hai] could not bind to CPUs {cpus}: {e}", file=sys.stderr, flush=True)
+
+    try:
+        child = subprocess.Popen(cmd)
+    except FileNotFoundError:
+        print(f"[hai] command not found: {cmd[0]}", file=sys.stderr, flush=True)
+        code = 127
+        _write_atomic(exit_file, {"exit_code": code, "at": time.time(), "error": "not found"})
+        return code
+    except OSError as e:
+        print(f"[hai] could not execute {cmd[0]}: {e}", file=sys.stderr, flush=True)
+        code = 126
+        _write_atomic(exit_file, {"exit_code": code, "at": time.time(), "error": str(e)})
+        return code
+
+    if pid_file:
+        try:
+            _write_atomic(
+                pid_file,
+                {"pid": me, "start_ticks": _start_ticks(me), "child_pid": child.pid},
+            )
+        except OSError:
+            pass
+
+    status = None
+    while status is None:
+        try:
+            pid, st = os.waitpid(-1, 0)
+        except ChildProcessError:  # pragma: no cover - the child is ours, cannot happen
+            break
+        if pid == child.pid:
+            status = st
+    child.returncode = 0  # reaped by hand above; keep Popen from waiting again
+    rc = os.waitstatus_to_exitcode(status) if status is not None else 1
+    code = 128 - rc if rc < 0 else rc
+    record = {"exit_code": code, "at": time.time()}
+    if rc < 0:
+        record["signal"] = -rc
+    _write_atomic(exit_file, record)
+    _cleanup(me)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
