@@ -192,3 +192,22 @@ def test_unknown_node_is_asked_to_register_and_old_protocol_is_426(cluster):
     r = cluster.client.post("/api/v1/agent/heartbeat", json=hb, headers=cluster.h(cluster.agent))
     assert r.status_code == 426
     assert "not supported" in r.json()["detail"]
+
+
+def test_logs_survive_a_server_restart(cluster, settings):
+    from fastapi.testclient import TestClient
+
+    from hai.main import create_app
+    from hai.services.context import Platform
+
+    j = cluster.submit(gpus_per_node=1)
+    batch = LogBatch(node="n0", lines=[LogLine(job_id=j["id"], attempt=1, rank=0, seq=0, ts=1.7e9, line="kept")])
+    cluster.client.post("/api/v1/agent/logs", json=batch.model_dump(mode="json"), headers=cluster.h(cluster.agent))
+    cluster.platform.close()
+    fresh = Platform.from_settings(settings)  # a new process would do exactly this
+    try:
+        with TestClient(create_app(fresh)) as client:
+            r = client.get(f"/api/v1/jobs/{j['id']}/logs", headers=cluster.h(cluster.alice))
+            assert r.text == "[rank 0] kept\n"
+    finally:
+        fresh.close()
