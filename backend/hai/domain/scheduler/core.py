@@ -1,49 +1,499 @@
-"""First scheduling policy: priority order, FIFO within a priority, gang placement.
+"""The time-sharing scheduling policy: one cycle, snapshot in, decisions out.
 
-(The full time-sharing policy replaces the body of ``schedule``; its signature stays.)
+Order of work in a cycle (``schedule``):
+
+1. Demote ABOVE_NORMAL jobs that have run ``demote_after_s`` to NORMAL (they count as NORMAL
+   for the rest of the cycle: quotas and victim choice).
+2. Index the free capacity of schedulable nodes; nodes reserved for a queued job (its
+   ``reserved_nodes``) are kept out of the index.
+3. Walk the queue by priority (high first), FIFO by first submission inside a priority. For
+   each job: quota check; placement (fat-tree rules in ``placement``); if it cannot be placed,
+   plan suspensions of lower-priority jobs (``preemption``). Jobs of the same shape that
+   already failed in this cycle fail at once (capacity only shrinks during a cycle).
+4. After each priority level, time-sharing: the level's jobs that waited past the threshold
+   and are still unplaced, in order of their user's recent usage (least first), may take over
+   from jobs of the same priority (other users) that have run a full quantum.
+5. Every queued job that does not start gets a pending reason in words.
+
+Reservations: ``Decisions.reservations`` is the complete set of reservations after this
+cycle (the service replaces what it stored). A reserved node is used only by its owner, or by
+a job of strictly higher priority than the owner (which would otherwise preempt for it); the
+owner then re-plans in its own turn. A reservation ends when its owner starts (anywhere), is
+quota-blocked, or has nothing left to wait for.
 """
 
 from __future__ import annotations
 
-from hai.domain.scheduler.model import Allocation, Decisions, NodeView, Policy, QueuedJob, Snapshot, Start
+from hai.domain.jobs import JobState, Priority
+from hai.domain.scheduler.explain import fmt_duration, plural, waiting_for_checkpoints
+from hai.domain.scheduler.model import (
+    Allocation,
+    Decisions,
+    Demote,
+    Policy,
+    QueuedJob,
+    Snapshot,
+    Start,
+    Suspend,
+)
+from hai.domain.scheduler.placement import FreeIndex, NodeSlot, Placement
+from hai.domain.scheduler.preemption import Plan, RunningTable, plan_multi, plan_single
+from hai.domain.scheduler.quota import QuotaBook
+
+_BY_RANK = list(Priority)
+_NORMAL_RANK = Priority.NORMAL.rank
 
 
 def queue_order(job: QueuedJob) -> tuple:
+    """Priority first (high to low), then FIFO by first submission (kept across suspensions)."""
     return (-job.priority.rank, job.first_submitted_at, job.id)
 
 
-def _place(job: QueuedJob, free: dict[str, list[int]], nodes: list[NodeView]) -> tuple[Allocation, ...] | None:
-    if job.nodes == 1:
-        # fewest free GPUs that still fit: pack partly used nodes first
-        fits = [n for n in nodes if len(free[n.name]) >= job.gpus_per_node]
-        if not fits:
-            return None
-        best = min(fits, key=lambda n: (len(free[n.name]), n.zone, n.leaf, n.name))
-        return (Allocation(best.name, tuple(free[best.name][: job.gpus_per_node])),)
-    whole = [n for n in nodes if len(free[n.name]) == n.gpus and n.gpus >= job.gpus_per_node]
-    by_zone: dict[str, list[NodeView]] = {}
-    for n in whole:
-        by_zone.setdefault(n.zone, []).append(n)
-    for zone in sorted(by_zone):
-        candidates = sorted(by_zone[zone], key=lambda n: (n.leaf, n.name))
-        if len(candidates) >= job.nodes:
-            chosen = candidates[: job.nodes]
-            return tuple(Allocation(n.name, tuple(free[n.name][: job.gpus_per_node])) for n in chosen)
-    return None
-
-
 def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
-    decisions = Decisions()
-    nodes = sorted((n for n in snapshot.nodes if n.schedulable), key=lambda n: (n.zone, n.leaf, n.name))
-    free = {n.name: list(n.free_gpus) for n in nodes}
-    for job in sorted(snapshot.queued, key=queue_order):
-        placement = _place(job, free, nodes)
-        if placement is None:
-            decisions.pending_reasons[job.id] = (
-                f"needs {job.nodes} node(s) x {job.gpus_per_node} GPU(s); not enough free GPUs"
+    """One scheduling cycle. Pure: reads ``snapshot`` (never mutates it), returns decisions."""
+    return _Cycle(snapshot, policy, now).run()
+
+
+class _Cycle:
+    def __init__(self, snapshot: Snapshot, policy: Policy, now: float):
+        self.snap = snapshot
+        self.policy = policy
+        self.now = now
+        self.decisions = Decisions()
+        self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
+        d = self.decisions
+
+        self.queue = sorted(snapshot.queued, key=queue_order)
+        self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
+        queued_ids = {j.id: True for j in self.queue}
+        max_qrank = self.queue[0].priority.rank if self.queue else -1
+
+        # 1. one pass over the running jobs: demotions, effective ranks, and which jobs could be
+        #    victims this cycle (so the victim table indexes only those, and only when needed)
+        self.eff_rank: list[int] = []
+        self.min_ok: list[bool] = []
+        self.quantum_ok: list[bool] = []
+        self.members: list[int] = []
+        above = Priority.ABOVE_NORMAL
+        suspending = JobState.SUSPENDING
+        min_rt, quantum, demote_after = policy.min_runtime_s, policy.quantum_s, policy.demote_after_s
+        ts = policy.time_sharing
+        self.min_preemptible_rank: int | None = None  # lowest rank past its minimum runtime
+        self.ts_users: dict[int, dict[str, int]] = {}  # rank -> user -> jobs past the quantum
+        self.young: dict[int, int] = {}  # rank -> jobs not yet past their minimum runtime
+        self.rank_users: dict[int, dict[str, int]] = {}  # rank -> user -> running jobs
+        eff_rank, min_ok_l, q_ok_l, members = self.eff_rank, self.min_ok, self.quantum_ok, self.members
+        for i, r in enumerate(snapshot.running):
+            prio = r.priority
+            rank = prio.rank
+            if r.suspend_requested_for is not None or r.state is suspending:
+                eff_rank.append(rank)
+                min_ok_l.append(False)
+                q_ok_l.append(False)
+                if r.suspend_requested_for in queued_ids:
+                    self.pending_targets[r.suspend_requested_for] = True
+                    members.append(i)
+                continue
+            ran = now - r.started_at
+            if prio is above and ran >= demote_after:
+                d.demotions.append(
+                    Demote(
+                        r.id,
+                        Priority.NORMAL,
+                        f"ran {fmt_duration(ran)} at ABOVE_NORMAL; demoted to NORMAL after {fmt_duration(demote_after)}",
+                    )
+                )
+                rank = _NORMAL_RANK
+            eff_rank.append(rank)
+            ru = self.rank_users.setdefault(rank, {})
+            ru[r.user] = ru.get(r.user, 0) + 1
+            mr = r.min_runtime_s if r.min_runtime_s is not None else min_rt
+            if ran >= mr:
+                qok = ran >= quantum
+                min_ok_l.append(True)
+                q_ok_l.append(qok)
+                if self.min_preemptible_rank is None or rank < self.min_preemptible_rank:
+                    self.min_preemptible_rank = rank
+                if qok:
+                    users = self.ts_users.setdefault(rank, {})
+                    users[r.user] = users.get(r.user, 0) + 1
+                if rank < max_qrank or (qok and ts):
+                    members.append(i)
+            else:
+                min_ok_l.append(False)
+                q_ok_l.append(False)
+                self.young[rank] = self.young.get(rank, 0) + 1
+
+        # quotas: everything holding GPUs counts, at its effective priority
+        self.quota = QuotaBook(snapshot.quotas)
+        if self.quota.enabled:
+            for r, rank in zip(snapshot.running, self.eff_rank):
+                self.quota.charge(r.group, rank, r.user, r.gpu_count)
+
+        # at most one job spanning zones at a time (computed when a job asks for it)
+        self._cross_running: bool | None = None
+
+        # 2. reservations (first owner in queue order wins a node) and the index
+        self.owner: dict[str, int] = {}
+        self.owner_rank: dict[int, int] = {}
+        self.owned: dict[int, list[str]] = {}
+        for j in self.queue:
+            if j.reserved_nodes:
+                mine: list[str] = []
+                for name in j.reserved_nodes:
+                    if name in self.index.by_name and name not in self.owner:
+                        self.owner[name] = j.id
+                        mine.append(name)
+                if mine:
+                    self.owned[j.id] = mine
+                    self.owner_rank[j.id] = j.priority.rank
+        for slot in self.index.slots:
+            if slot.name not in self.owner:
+                self.index.insert(slot)
+
+        self._table: RunningTable | None = None
+        self.place_fail: dict[tuple, str] = {}
+        self.plan_fail: dict[tuple, bool] = {}
+        self.note_cache: dict[tuple, str] = {}
+        self.epoch = 0  # bumps when capacity is given back to the index (caches are then cleared)
+        self.plans_applied = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def cross_running(self) -> bool:
+        if self._cross_running is None:
+            zone_of = {n.name: n.zone for n in self.snap.nodes}
+            self._cross_running = False
+            for r in self.snap.running:
+                if len(r.allocations) > 1:
+                    z0 = zone_of.get(r.allocations[0].node)
+                    if any(zone_of.get(a.node) != z0 for a in r.allocations):
+                        self._cross_running = True
+                        break
+        return self._cross_running
+
+    def _young_lower(self, rank: int) -> int:
+        return sum(n for r, n in self.young.items() if r < rank)
+
+    def _could_preempt(self, job: QueuedJob, time_sharing: bool) -> bool:
+        """Cheap test: is there any running job that could be a victim of this job?"""
+        rank = job.priority.rank
+        mpr = self.min_preemptible_rank
+        if mpr is not None and mpr < rank:
+            return True
+        if time_sharing:
+            users = self.ts_users.get(rank)
+            if users:
+                for u in users:
+                    if u != job.user:
+                        return True
+        return False
+
+    @property
+    def table(self) -> RunningTable:
+        if self._table is None:
+            self._table = RunningTable(
+                self.snap.running,
+                self.eff_rank,
+                self.min_ok,
+                self.quantum_ok,
+                self.members,
+                self.policy,
+                self.now,
+                self.index,
             )
-            continue
-        for alloc in placement:
-            free[alloc.node] = [g for g in free[alloc.node] if g not in alloc.gpus]
-        decisions.starts.append(Start(job.id, placement, "first fit in priority order"))
-    return decisions
+        return self._table
+
+    def _release(self, name: str) -> None:
+        """A reserved node stops being reserved: its free GPUs go back to everyone."""
+        self.owner.pop(name, None)
+        slot = self.index.by_name[name]
+        if not slot.indexed:
+            self.index.insert(slot)
+            if slot.free:
+                self.place_fail.clear()
+                self.plan_fail.clear()
+                self.epoch += 1
+
+    def _drop_reservation(self, job: QueuedJob) -> None:
+        names = self.owned.pop(job.id, None)
+        if names:
+            for name in names:
+                if self.owner.get(name) == job.id:
+                    self._release(name)
+
+    def _extras(self, job: QueuedJob) -> list[NodeSlot]:
+        """Reserved nodes this job may use: its own, and those of lower-priority owners."""
+        if not self.owner:
+            return []
+        rank = job.priority.rank
+        out = []
+        for name, owner in self.owner.items():
+            if owner == job.id or self.owner_rank[owner] < rank:
+                out.append(self.index.by_name[name])
+        return out
+
+    def _usable(self, job: QueuedJob):
+        if not self.owner:
+            return lambda slot: True
+        owner, owner_rank, jid, rank = self.owner, self.owner_rank, job.id, job.priority.rank
+
+        def usable(slot: NodeSlot) -> bool:
+            o = owner.get(slot.name)
+            return o is None or o == jid or owner_rank[o] < rank
+
+        return usable
+
+    def _pending_idx(self, job: QueuedJob) -> list[int]:
+        if job.id not in self.pending_targets:
+            return []
+        return self.table.pending_for.get(job.id, [])
+
+    # -- placement -------------------------------------------------------------------------------
+    def _find(self, job: QueuedJob, cross_ok: bool) -> Placement | None:
+        if job.nodes == 1:
+            return self.index.find_single(job.gpus_per_node)
+        p = self.index.find_multi(job.nodes, job.gpus_per_node)
+        if p is None and cross_ok:
+            p = self.index.find_multi(job.nodes, job.gpus_per_node, cross_zone=True)
+        return p
+
+    def _fail_reason(self, job: QueuedJob, cross_ok: bool) -> str:
+        idx = self.index
+        reserved = len(self.owner)
+        tail = f" ({plural(reserved, 'node')} reserved for other jobs)" if reserved else ""
+        if job.nodes == 1:
+            g = job.gpus_per_node
+            if g > idx.max_gpus:
+                return f"needs {g} GPUs on one node but the largest node has {idx.max_gpus}; ask for whole nodes"
+            most = max(idx.max_free_partial(), idx.largest_idle_gpus())
+            return f"needs {g} GPU(s) on one node; the most free on any available node is {most}{tail}"
+        k = job.nodes
+        largest_zone = max(idx.zone_size, default=0)
+        best, best_zone = 0, None
+        for z, zone in enumerate(idx.zones):
+            c = sum(c for c, _ in idx.leaf_counts(z, job.gpus_per_node))
+            if c > best or best_zone is None:
+                best, best_zone = c, zone
+        if k > largest_zone and not job.allow_cross_zone:
+            return (
+                f"needs {k} whole nodes in one zone but the largest zone has {largest_zone} schedulable nodes;"
+                " it can only run with allow_cross_zone"
+            )
+        msg = f"needs {k} whole nodes in one zone; largest free block is {plural(best, 'node')}"
+        if best_zone is not None:
+            msg += f" in zone {best_zone}"
+        if job.allow_cross_zone and not cross_ok:
+            msg += "; another cross-zone job is running (one at a time)"
+        elif job.allow_cross_zone:
+            total = sum(c for c, _ in idx.leaf_counts(None, job.gpus_per_node))
+            msg += f"; {total} free across zones"
+        return msg + tail
+
+    def _try_place(self, job: QueuedJob, extras: list[NodeSlot]) -> tuple[Placement | None, str, list[Allocation]]:
+        cross_ok = job.allow_cross_zone and job.nodes > 1 and not self.cross_running
+        key = (job.nodes, job.gpus_per_node, cross_ok)
+        if not extras:
+            cached = self.place_fail.get(key)
+            if cached is not None:
+                return None, cached, []
+        for s in extras:
+            self.index.insert(s)
+        placement = self._find(job, cross_ok)
+        allocs: list[Allocation] = []
+        reason = ""
+        if placement is not None:
+            for slot in placement.slots:
+                allocs.append(Allocation(slot.name, self.index.take(slot, placement.gpus_per_node)))
+        else:
+            reason = self._fail_reason(job, cross_ok)
+        for s in extras:
+            self.index.remove(s)
+        if placement is None and not extras:
+            self.place_fail[key] = reason
+        return placement, reason, allocs
+
+    def _start(self, job: QueuedJob, placement: Placement, allocs: list[Allocation]) -> None:
+        d = self.decisions
+        used = [s.name for s in placement.slots]
+        # nodes it used stop being reserved (whoever owned them); its other reserved nodes free up
+        for name in used:
+            prev = self.owner.get(name)
+            if prev is not None and prev != job.id:
+                self.owned[prev] = [n for n in self.owned.get(prev, []) if n != name]
+            if prev is not None:
+                self._release(name)
+        self._drop_reservation(job)
+        d.starts.append(Start(job.id, tuple(allocs), placement.reason))
+        self.quota.charge(job.group, job.priority.rank, job.user, job.gpu_count)
+        if len({s.zone for s in placement.slots}) > 1:
+            self._cross_running = True
+
+    # -- preemption ------------------------------------------------------------------------------
+    def _plan(self, job: QueuedJob, time_sharing: bool) -> tuple[Plan | None, bool]:
+        """(plan, deferred). ``deferred``: a plan exists but the per-cycle cap is reached."""
+        pending = self._pending_idx(job)
+        own = job.id in self.owned
+        cap_reached = self.plans_applied >= self.policy.max_preemptions_per_cycle
+        key = (job.nodes, job.gpus_per_node, job.priority.rank, time_sharing, job.user if time_sharing else "")
+        if not pending:
+            if not self.policy.preemption or not self._could_preempt(job, time_sharing):
+                return None, False
+            if not own and key in self.plan_fail:
+                return None, False
+        table = self.table
+        usable = self._usable(job)
+        rank = job.priority.rank
+        eligible = table.eligible_fn(rank, job.user, time_sharing and self.policy.preemption)
+        if not self.policy.preemption:
+            eligible = lambda i: False  # noqa: E731 - only wait for what is already suspending
+        if job.nodes == 1:
+            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending)
+        else:
+            plan = plan_multi(table, self.index, job.nodes, job.gpus_per_node, usable, eligible, pending)
+        if plan is None:
+            if not pending and not own:
+                self.plan_fail[key] = True
+            return None, False
+        if plan.victims and cap_reached:
+            return None, True
+        return plan, False
+
+    def _apply_plan(self, job: QueuedJob, plan: Plan) -> None:
+        d = self.decisions
+        table = self.table
+        pol = self.policy
+        for i in plan.victims:
+            table.chosen[i] = True
+            v = table.jobs[i]
+            vrank = table.rank[i]
+            ran = fmt_duration(table.runtime[i])
+            lost = table.lost[i]
+            if vrank < job.priority.rank:
+                mr = v.min_runtime_s if v.min_runtime_s is not None else pol.min_runtime_s
+                why = (
+                    f"suspend at its next checkpoint for job {job.id} ({job.priority.value} outranks"
+                    f" {_BY_RANK[vrank].value}); it ran {ran} (minimum {fmt_duration(mr)}),"
+                    f" ~{lost:.0f} GPU-seconds since its last checkpoint"
+                )
+            else:
+                why = (
+                    f"time-sharing: it ran {ran}, past the {fmt_duration(pol.quantum_s)} quantum at"
+                    f" {_BY_RANK[vrank].value}; job {job.id} of user {job.user} has waited"
+                    f" {fmt_duration(self.now - job.queued_at)}; ~{lost:.0f} GPU-seconds since its last checkpoint"
+                )
+            d.suspends.append(Suspend(v.id, why, for_job_id=job.id))
+        if plan.victims:
+            self.plans_applied += 1
+        names = tuple(s.name for s in plan.slots)
+        old = self.owned.get(job.id, [])
+        for s in plan.slots:
+            prev = self.owner.get(s.name)
+            if prev is not None and prev != job.id:
+                self.owned[prev] = [n for n in self.owned.get(prev, []) if n != s.name]
+            self.owner[s.name] = job.id
+            self.index.remove(s)
+        self.owner_rank[job.id] = job.priority.rank
+        self.owned[job.id] = list(names)
+        for name in old:
+            if name not in names and self.owner.get(name) == job.id:
+                self._release(name)
+        d.reservations[job.id] = names
+        d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
+
+    def _note(self, job: QueuedJob, ts_tried: bool, deferred: bool) -> str:
+        key = (job.priority.rank, ts_tried, deferred, job.user if ts_tried else "")
+        got = self.note_cache.get(key)
+        if got is not None:
+            return got
+        pol = self.policy
+        parts: list[str] = []
+        if deferred:
+            parts.append(
+                f"suspending other jobs would make room; this cycle already planned {pol.max_preemptions_per_cycle}"
+                " preemptions, the next cycle continues"
+            )
+        elif pol.preemption and self.snap.running:
+            young = self._young_lower(job.priority.rank)
+            if young:
+                parts.append(
+                    f"{plural(young, 'lower-priority job')} could make room but"
+                    f" {'has' if young == 1 else 'have'} run less than the {fmt_duration(pol.min_runtime_s)} minimum"
+                )
+            if ts_tried and any(u != job.user for u in self.rank_users.get(job.priority.rank, ())):
+                if any(u != job.user for u in self.ts_users.get(job.priority.rank, ())):
+                    parts.append(
+                        f"time-sharing: no job of another user at {job.priority.value} that has run its"
+                        f" {fmt_duration(pol.quantum_s)} quantum can make room"
+                    )
+                else:
+                    parts.append(
+                        f"time-sharing: jobs of other users at {job.priority.value} have not yet run their"
+                        f" {fmt_duration(pol.quantum_s)} quantum"
+                    )
+        note = "".join("; " + p for p in parts)
+        self.note_cache[key] = note
+        return note
+
+    # -- the cycle -------------------------------------------------------------------------------
+    def _process(self, job: QueuedJob, ts_waiters: list) -> None:
+        d = self.decisions
+        if job.nodes < 1 or job.gpus_per_node < 1:
+            d.pending_reasons[job.id] = "asks for no GPUs; nothing to schedule"
+            self._drop_reservation(job)
+            return
+        blocked = self.quota.blocked(job)
+        if blocked:
+            d.pending_reasons[job.id] = blocked
+            self._drop_reservation(job)
+            return
+        extras = self._extras(job)
+        placement, reason, allocs = self._try_place(job, extras)
+        if placement is not None:
+            self._start(job, placement, allocs)
+            return
+        plan, deferred = self._plan(job, time_sharing=False)
+        if plan is not None:
+            self._apply_plan(job, plan)
+            return
+        pol = self.policy
+        if pol.time_sharing and pol.preemption and self.now - job.queued_at >= pol.wait_threshold_s and not deferred:
+            ts_waiters.append((job, reason, self.epoch))
+            d.pending_reasons[job.id] = reason
+            return
+        d.pending_reasons[job.id] = reason + self._note(job, False, deferred)
+        self._drop_reservation(job)
+
+    def _time_share(self, waiters: list) -> None:
+        if not waiters:
+            return
+        usage = self.snap.usage
+        waiters.sort(key=lambda t: (usage.get(t[0].user, 0.0), t[0].first_submitted_at, t[0].id))
+        d = self.decisions
+        for job, reason, epoch in waiters:
+            if epoch != self.epoch:  # capacity came back since this job's turn: try again
+                extras = self._extras(job)
+                placement, reason, allocs = self._try_place(job, extras)
+                if placement is not None:
+                    d.pending_reasons.pop(job.id, None)
+                    self._start(job, placement, allocs)
+                    continue
+            plan, deferred = self._plan(job, time_sharing=True)
+            if plan is not None:
+                self._apply_plan(job, plan)
+                continue
+            d.pending_reasons[job.id] = reason + self._note(job, True, deferred)
+            self._drop_reservation(job)
+
+    def run(self) -> Decisions:
+        level: int | None = None
+        waiters: list = []
+        for job in self.queue:
+            rank = job.priority.rank
+            if rank != level:
+                self._time_share(waiters)
+                waiters = []
+                level = rank
+            self._process(job, waiters)
+        self._time_share(waiters)
+        return self.decisions

@@ -104,6 +104,9 @@ class Policy:
     usage_half_life_s: float = 3600
     preemption: bool = True
     time_sharing: bool = True
+    # at most this many waiting jobs start new suspensions in one cycle (bounds a cycle's cost;
+    # suspensions take effect at checkpoints, minutes away, so the next cycle continues)
+    max_preemptions_per_cycle: int = 32
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,375 @@
+"""Placement: a free-capacity index over the cluster and the fat-tree placement rules.
+
+Rules, in order (issue 3):
+
+1. a job never spans zones (unless it allows it; the caller enforces "one such job at a time");
+2. a multi-node job takes whole idle nodes on the fewest leaf switches possible, and among
+   equal choices the tightest fit, so large free blocks stay whole;
+3. a job on one node packs onto partly used nodes (best fit: fewest free GPUs that suffice)
+   before it breaks an idle node, and when it must break one, it takes it from the leaf with
+   the fewest idle nodes, so big idle blocks stay whole;
+4. unschedulable nodes are never indexed, so they get nothing;
+5. every choice ends in a total order on (zone, leaf, node name): the same snapshot gives the
+   same placement.
+
+The index is rebuilt each cycle from the snapshot's nodes (the snapshot is never mutated) and
+updated as the cycle hands GPUs out, so one decision costs O(GPUs per node + leaves), not
+O(nodes). Nothing here iterates a set or a dict of sets to decide anything.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from hai.domain.scheduler.model import NodeView
+
+
+class NodeSlot:
+    """One schedulable node's mutable state during a cycle (a copy; the NodeView is untouched)."""
+
+    __slots__ = ("ord", "name", "zone", "leaf", "zone_ix", "leaf_ix", "gpus", "free", "indexed")
+
+    def __init__(self, ord_: int, view: NodeView, zone_ix: int, leaf_ix: int):
+        self.ord = ord_
+        self.name = view.name
+        self.zone = view.zone
+        self.leaf = view.leaf
+        self.zone_ix = zone_ix
+        self.leaf_ix = leaf_ix
+        gpus = self.gpus = view.gpus
+        free = sorted(view.free_gpus)
+        if free and (free[0] < 0 or free[-1] >= gpus):
+            free = [g for g in free if 0 <= g < gpus]
+        self.free: list[int] = free
+        self.indexed = False
+
+    @property
+    def idle(self) -> bool:
+        return len(self.free) == self.gpus
+
+
+class _Layout:
+    """The static shape of a node list: order by (zone, leaf, name) and the zone/leaf tables.
+    Pure function of the (name, zone, leaf) of each node, memoized because a live cluster and
+    the simulator present the same node list cycle after cycle."""
+
+    __slots__ = ("names", "zone_of", "leaf_of", "order", "zones", "leaves", "zone_leaves", "slot_zone", "slot_leaf")
+
+    def __init__(self, views: Sequence[NodeView]):
+        self.names = tuple(v.name for v in views)
+        self.zone_of = tuple(v.zone for v in views)
+        self.leaf_of = tuple(v.leaf for v in views)
+        self.order = sorted(range(len(views)), key=lambda i: (views[i].zone, views[i].leaf, views[i].name))
+        self.zones: list[str] = []
+        self.leaves: list[tuple[str, str, int]] = []  # (leaf name, zone, zone ix)
+        self.zone_leaves: list[list[int]] = []
+        self.slot_zone: list[int] = []
+        self.slot_leaf: list[int] = []
+        leaf_ix_of: dict[tuple[str, str], int] = {}
+        for i in self.order:
+            v = views[i]
+            if not self.zones or self.zones[-1] != v.zone:
+                self.zones.append(v.zone)
+                self.zone_leaves.append([])
+            zone_ix = len(self.zones) - 1
+            key = (v.zone, v.leaf)
+            leaf_ix = leaf_ix_of.get(key)
+            if leaf_ix is None:
+                leaf_ix = len(self.leaves)
+                leaf_ix_of[key] = leaf_ix
+                self.leaves.append((v.leaf, v.zone, zone_ix))
+                self.zone_leaves[zone_ix].append(leaf_ix)
+            self.slot_zone.append(zone_ix)
+            self.slot_leaf.append(leaf_ix)
+
+
+_LAYOUTS: dict[tuple[str, ...], _Layout] = {}
+
+
+def _layout(views: Sequence[NodeView]) -> _Layout:
+    names = tuple(v.name for v in views)
+    lay = _LAYOUTS.get(names)
+    if lay is not None:
+        zone_of, leaf_of = lay.zone_of, lay.leaf_of
+        for i, v in enumerate(views):
+            if v.zone != zone_of[i] or v.leaf != leaf_of[i]:
+                lay = None
+                break
+    if lay is None:
+        lay = _Layout(views)
+        if len(_LAYOUTS) >= 8:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[names] = lay
+    return lay
+
+
+class LeafInfo:
+    __slots__ = ("ix", "name", "zone", "zone_ix", "idle", "size")
+
+    def __init__(self, ix: int, name: str, zone: str, zone_ix: int):
+        self.ix = ix
+        self.name = name
+        self.zone = zone
+        self.zone_ix = zone_ix
+        self.idle: list[int] = []  # ords of indexed idle nodes, sorted
+        self.size = 0  # schedulable nodes on this leaf
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The nodes (and how many GPUs on each) a job would take; not yet taken."""
+
+    slots: tuple[NodeSlot, ...]
+    gpus_per_node: int
+    leaves: int
+    reason: str
+
+
+class FreeIndex:
+    """Free capacity of the schedulable nodes, by leaf (idle nodes) and by free-GPU count
+    (partly used nodes). A node can be left out of the index (reserved for a job) and put
+    back; its ``free`` list stays exact either way."""
+
+    def __init__(self, nodes: Iterable[NodeView]):
+        views = list(nodes)
+        lay = _layout(views)
+        self.zones: list[str] = list(lay.zones)
+        self.leaves: list[LeafInfo] = [LeafInfo(ix, name, zone, zix) for ix, (name, zone, zix) in enumerate(lay.leaves)]
+        self.zone_leaves: list[list[int]] = lay.zone_leaves  # read-only
+        slots: list[NodeSlot] = []
+        leaves = self.leaves
+        slot_zone, slot_leaf = lay.slot_zone, lay.slot_leaf
+        for k, i in enumerate(lay.order):
+            li = slot_leaf[k]
+            slots.append(NodeSlot(k, views[i], slot_zone[k], li))
+            leaves[li].size += 1
+        self.slots = slots
+        self.by_name: dict[str, NodeSlot] = {s.name: s for s in slots}
+        self.max_gpus = max((s.gpus for s in self.slots), default=0)
+        self.homogeneous = len({s.gpus for s in self.slots}) <= 1
+        self.zone_size = [0] * len(self.zones)
+        for s in self.slots:
+            self.zone_size[s.zone_ix] += 1
+        # partial[f]: ords of indexed nodes with exactly f free GPUs, 0 < f < gpus
+        self.partial: list[list[int]] = [[] for _ in range(self.max_gpus + 1)]
+        self.zone_idle = [0] * len(self.zones)
+
+    # -- maintenance -------------------------------------------------------------------------
+    def insert(self, slot: NodeSlot) -> None:
+        if slot.indexed:
+            return
+        slot.indexed = True
+        f = len(slot.free)
+        if f == 0:
+            return
+        if f == slot.gpus:
+            insort(self.leaves[slot.leaf_ix].idle, slot.ord)
+            self.zone_idle[slot.zone_ix] += 1
+        else:
+            insort(self.partial[f], slot.ord)
+
+    def remove(self, slot: NodeSlot) -> None:
+        if not slot.indexed:
+            return
+        slot.indexed = False
+        f = len(slot.free)
+        if f == 0:
+            return
+        if f == slot.gpus:
+            lst = self.leaves[slot.leaf_ix].idle
+            del lst[bisect_left(lst, slot.ord)]
+            self.zone_idle[slot.zone_ix] -= 1
+        else:
+            lst = self.partial[f]
+            del lst[bisect_left(lst, slot.ord)]
+
+    def take(self, slot: NodeSlot, count: int) -> tuple[int, ...]:
+        """Hand out the ``count`` lowest free GPUs of ``slot`` (keeps the index consistent)."""
+        was = slot.indexed
+        self.remove(slot)
+        gpus = tuple(slot.free[:count])
+        if len(gpus) != count:
+            raise ValueError(f"node {slot.name} has {len(slot.free)} free GPUs, {count} asked")
+        del slot.free[:count]
+        if was:
+            self.insert(slot)
+        return gpus
+
+    # -- queries -----------------------------------------------------------------------------
+    def max_free_partial(self) -> int:
+        for f in range(len(self.partial) - 1, 0, -1):
+            if self.partial[f]:
+                return f
+        return 0
+
+    def largest_idle_gpus(self) -> int:
+        best = 0
+        for leaf in self.leaves:
+            for o in leaf.idle:
+                if self.slots[o].gpus > best:
+                    best = self.slots[o].gpus
+                if self.homogeneous:
+                    break
+        return best
+
+    def qualifying_idle(self, leaf: LeafInfo, gpus_per_node: int) -> list[int]:
+        if self.homogeneous and (not leaf.idle or self.slots[leaf.idle[0]].gpus >= gpus_per_node):
+            return leaf.idle
+        return [o for o in leaf.idle if self.slots[o].gpus >= gpus_per_node]
+
+    def leaf_counts(self, zone_ix: int | None, gpus_per_node: int) -> list[tuple[int, int]]:
+        """(idle qualifying nodes, leaf ix) for the leaves of one zone (or all zones)."""
+        leaf_ixs: Sequence[int] = range(len(self.leaves)) if zone_ix is None else self.zone_leaves[zone_ix]
+        out = []
+        for ix in leaf_ixs:
+            leaf = self.leaves[ix]
+            if leaf.idle:
+                c = len(self.qualifying_idle(leaf, gpus_per_node))
+                if c:
+                    out.append((c, ix))
+        return out
+
+    # -- placement ---------------------------------------------------------------------------
+    def find_single(self, gpus: int) -> Placement | None:
+        """Best fit on one node: the partly used node with the fewest free GPUs that suffice;
+        otherwise an idle node from the leaf with the fewest idle nodes."""
+        for f in range(gpus, len(self.partial)):
+            lst = self.partial[f]
+            if lst:
+                slot = self.slots[lst[0]]
+                left = f - gpus
+                return Placement(
+                    (slot,),
+                    gpus,
+                    1,
+                    f"best fit: {gpus} GPU(s) on partly used node {slot.name} (leaf {slot.leaf}, zone {slot.zone}),"
+                    f" leaving {left} free there; idle nodes stay whole",
+                )
+        best: tuple | None = None
+        best_slot: NodeSlot | None = None
+        for leaf in self.leaves:
+            if not leaf.idle:
+                continue
+            cand = self.slots[leaf.idle[0]]
+            if cand.gpus < gpus:
+                cands = [o for o in leaf.idle if self.slots[o].gpus >= gpus]
+                if not cands:
+                    continue
+                cand = self.slots[min(cands, key=lambda o: (self.slots[o].gpus, o))]
+            key = (cand.gpus, len(leaf.idle), self.zone_idle[leaf.zone_ix], leaf.ix)
+            if best is None or key < best:
+                best = key
+                best_slot = cand
+        if best_slot is None:
+            return None
+        leaf = self.leaves[best_slot.leaf_ix]
+        return Placement(
+            (best_slot,),
+            gpus,
+            1,
+            f"{gpus} GPU(s) on idle node {best_slot.name}: no partly used node had {gpus} free;"
+            f" taken from leaf {leaf.name} (zone {leaf.zone}), the one with the fewest idle nodes"
+            f" ({len(leaf.idle)}), so larger idle blocks stay whole",
+        )
+
+    def find_multi(self, nodes: int, gpus_per_node: int, cross_zone: bool = False) -> Placement | None:
+        """Whole idle nodes in one zone (or anywhere when ``cross_zone``), fewest leaves, then
+        the tightest fit (least idle capacity left on the leaves used, then the fuller zone)."""
+        best: tuple | None = None
+        best_choice: list[tuple[int, int]] | None = None
+        zones: Sequence[int | None] = [None] if cross_zone else range(len(self.zones))
+        for z in zones:
+            if z is not None and self.zone_idle[z] < nodes:
+                continue
+            counts = self.leaf_counts(z, gpus_per_node)
+            choice = choose_leaves(counts, nodes)
+            if choice is None:
+                continue
+            cmap = dict((ix, c) for c, ix in counts)
+            leftover = sum(cmap[ix] for ix, _ in choice) - nodes
+            zone_idle = sum(self.zone_idle) if z is None else self.zone_idle[z]
+            key = (len(choice), leftover, zone_idle, -1 if z is None else z)
+            if best is None or key < best:
+                best = key
+                best_choice = choice
+        if best_choice is None:
+            return None
+        slots: list[NodeSlot] = []
+        for ix, take in best_choice:
+            slots.extend(self.slots[o] for o in self.qualifying_idle(self.leaves[ix], gpus_per_node)[:take])
+        leaf_names = ", ".join(self.leaves[ix].name for ix, _ in best_choice)
+        zones_used = sorted({s.zone for s in slots})
+        where = f"zone {zones_used[0]}" if len(zones_used) == 1 else f"zones {', '.join(zones_used)} (cross-zone allowed)"
+        assert best is not None
+        return Placement(
+            tuple(slots),
+            gpus_per_node,
+            len(best_choice),
+            f"{nodes} whole node(s) on {len(best_choice)} leaf switch(es) ({leaf_names}) in {where}:"
+            f" the fewest leaves possible, tightest fit ({best[1]} idle node(s) left on those leaves)",
+        )
+
+
+def min_leaves(counts: Iterable[int], nodes: int) -> int | None:
+    """Fewest leaves whose idle nodes add up to ``nodes`` (largest first is optimal)."""
+    total = 0
+    m = 0
+    for c in sorted(counts, reverse=True):
+        if c <= 0:
+            break
+        total += c
+        m += 1
+        if total >= nodes:
+            return m
+    return None
+
+
+def choose_leaves(counts: list[tuple[int, int]], nodes: int) -> list[tuple[int, int]] | None:
+    """Pick leaves for ``nodes`` whole nodes: the fewest leaves, and among those a tight fit.
+
+    ``counts`` is [(idle nodes, leaf ix)]. Returns [(leaf ix, nodes to take)] or None.
+    Heuristic for the tight fit: fill the m-1 non-final leaves with the smallest leaves that
+    still let the remaining slots cover the rest, then the final leaf is the smallest that
+    covers what is left; all leaves but the last are used completely.
+    """
+    if nodes <= 0:
+        return []
+    m = min_leaves((c for c, _ in counts), nodes)
+    if m is None:
+        return None
+    remaining = sorted(counts, key=lambda t: (t[0], t[1]))  # ascending by size, then leaf order
+    chosen: list[tuple[int, int]] = []
+    need = nodes
+    slots_left = m
+    while slots_left > 1:
+        desc = sorted(remaining, key=lambda t: (-t[0], t[1]))
+        prefix = [0]
+        for c, _ in desc:
+            prefix.append(prefix[-1] + c)
+        pos = {ix: i for i, (_, ix) in enumerate(desc)}
+        pick = None
+        for c, ix in remaining:
+            if c >= need:
+                continue  # would end early: impossible when m is minimal, kept for safety
+            others = slots_left - 1
+            top = prefix[others + 1] - c if pos[ix] < others else prefix[others]
+            if c + top >= need:
+                pick = (c, ix)
+                break
+        if pick is None:  # cannot happen when m is minimal; fall back to largest-first
+            pick = desc[0]
+        chosen.append((pick[1], pick[0]))
+        need -= pick[0]
+        remaining.remove(pick)
+        slots_left -= 1
+    last = None
+    for c, ix in remaining:
+        if c >= need:
+            last = (c, ix)
+            break
+    if last is None:
+        return None
+    chosen.append((last[1], need))
+    return chosen

@@ -1,0 +1,342 @@
+"""Victim choice: which running jobs to suspend (at their next checkpoint) for a waiting job.
+
+Who may be a victim of waiting job J (checked by the caller's ``eligible``):
+
+* a job of lower effective priority that has run at least its minimum runtime; or
+* (time-sharing, once J has waited past the threshold) a job of J's priority, of another
+  user, that has run a full quantum;
+* never a job of J's user at J's priority, never a job already suspending, never a job
+  already chosen as a victim in this cycle.
+
+Among the victim sets that free a valid placement for J (one node with enough GPUs, or whole
+nodes in one zone), choose the fewest victims, then the fewest GPU-seconds lost since their
+last reported checkpoint, then the placement on fewer leaves, then node order. GPUs already
+being released for J (jobs suspending for it) count as free for J. The planner only reads the
+cycle's state; the caller applies a plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Callable, Sequence
+
+from hai.domain.scheduler.model import Policy, RunningJob
+from hai.domain.scheduler.placement import FreeIndex, NodeSlot, choose_leaves
+
+
+@dataclass
+class Plan:
+    victims: list[int]  # indices into RunningTable.jobs: new suspensions
+    slots: list[NodeSlot]  # the nodes reserved for the waiting job
+    waiting_on: int  # jobs (new victims + already suspending for it) that must checkpoint
+    lost_gpu_s: float
+    leaves: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+class RunningTable:
+    """Per-cycle facts about the running jobs that matter to victim choice.
+
+    Only ``members`` are indexed: jobs that could be victims in this cycle (past their
+    minimum runtime and below some queued job's priority, or past the quantum) and jobs
+    already suspending for a queued job. A node holding GPUs of any other job cannot be freed
+    (its holders do not add up to its GPUs), which is exactly the rule.
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[RunningJob],
+        eff_rank: list[int],
+        min_ok: list[bool],
+        quantum_ok: list[bool],
+        members: list[int],
+        policy: Policy,
+        now: float,
+        index: FreeIndex,
+    ):
+        self.jobs = jobs
+        self.rank = eff_rank
+        self.min_ok = min_ok
+        self.quantum_ok = quantum_ok
+        n = len(jobs)
+        self.runtime = [0.0] * n
+        self.gpus = [0] * n
+        self.lost = [0.0] * n
+        self.chosen = [False] * n
+        holders: list[list[tuple[int, int]]] = [[] for _ in index.slots]
+        self.holders = holders
+        self.nodes_of: list[list[int]] = [[] for _ in jobs]
+        self.pending_for: dict[int, list[int]] = {}
+        by_name = index.by_name
+        for i in members:
+            j = jobs[i]
+            g = 0
+            mine = self.nodes_of[i]
+            for a in j.allocations:
+                k = len(a.gpus)
+                g += k
+                slot = by_name.get(a.node)
+                if slot is None:
+                    continue
+                o = slot.ord
+                if o in mine:  # two allocations on one node: merge
+                    hs = holders[o]
+                    for x, (hi, hk) in enumerate(hs):
+                        if hi == i:
+                            hs[x] = (i, hk + k)
+                    continue
+                holders[o].append((i, k))
+                mine.append(o)
+            self.gpus[i] = g
+            self.runtime[i] = now - j.started_at
+            since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
+            self.lost[i] = g * max(0.0, now - since)
+            if j.suspend_requested_for is not None:
+                self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
+
+    def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
+        ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
+
+        if time_sharing:
+
+            def eligible(i: int) -> bool:
+                if chosen[i] or not min_ok[i]:
+                    return False
+                r = ranks[i]
+                if r < rank:
+                    return True
+                return r == rank and q_ok[i] and jobs[i].user != user
+
+        else:
+
+            def eligible(i: int) -> bool:
+                return min_ok[i] and not chosen[i] and ranks[i] < rank
+
+        return eligible
+
+
+def _pick_on_node(cands: list[tuple[int, int]], need: int, lost: list[float], jobs: Sequence[RunningJob]):
+    """Fewest victims on one node freeing ``need`` GPUs, then least lost GPU-seconds.
+    ``cands`` is [(gpus on this node, job index)]. Returns (count, lost, gpus, [idx]) or None."""
+    if sum(g for g, _ in cands) < need:
+        return None
+    by_size = sorted(cands, key=lambda t: (-t[0], lost[t[1]], jobs[t[1]].id))
+    acc = 0
+    count = 0
+    for g, _ in by_size:
+        acc += g
+        count += 1
+        if acc >= need:
+            break
+    if count == 1:
+        best = min((t for t in cands if t[0] >= need), key=lambda t: (lost[t[1]], t[0], jobs[t[1]].id))
+        return (1, lost[best[1]], best[0], [best[1]])
+    best_key = None
+    best_set: list[int] = []
+    if len(cands) <= 10:
+        ordered = sorted(cands, key=lambda t: jobs[t[1]].id)
+        for combo in combinations(ordered, count):
+            if sum(g for g, _ in combo) < need:
+                continue
+            key = (sum(lost[i] for _, i in combo), sum(g for g, _ in combo), tuple(jobs[i].id for _, i in combo))
+            if best_key is None or key < best_key:
+                best_key = key
+                best_set = [i for _, i in combo]
+    else:
+        best_set = [i for _, i in by_size[:count]]
+        best_key = (sum(lost[i] for i in best_set), sum(g for g, _ in by_size[:count]), ())
+    assert best_key is not None
+    return (count, best_key[0], best_key[1], best_set)
+
+
+def plan_single(
+    table: RunningTable,
+    index: FreeIndex,
+    gpus: int,
+    usable: Callable[[NodeSlot], bool],
+    eligible: Callable[[int], bool],
+    pending: list[int],
+) -> Plan | None:
+    """One node with ``gpus`` GPUs for the waiting job."""
+    pend_gpus: dict[int, int] = {}
+    pend_jobs: dict[int, list[int]] = {}
+    for i in pending:
+        for o in table.nodes_of[i]:
+            for hi, g in table.holders[o]:
+                if hi == i:
+                    pend_gpus[o] = pend_gpus.get(o, 0) + g
+                    pend_jobs.setdefault(o, []).append(i)
+    best_key: tuple | None = None
+    best: tuple[NodeSlot, list[int], float] | None = None
+    holders, lost, jobs = table.holders, table.lost, table.jobs
+    for slot in index.slots:
+        if slot.gpus < gpus:
+            continue
+        have = len(slot.free) + pend_gpus.get(slot.ord, 0)
+        if have >= gpus:
+            if not usable(slot):
+                continue
+            key: tuple = (0, 0.0, 0, slot.ord)
+            if best_key is None or key < best_key:
+                best_key, best = key, (slot, [], 0.0)
+            continue
+        hs = holders[slot.ord]
+        if not hs:
+            continue
+        need = gpus - have
+        cands = [(g, i) for i, g in hs if eligible(i)]
+        if not cands:
+            continue
+        if best_key is not None and best_key[0] == 0:
+            continue
+        if not usable(slot):
+            continue
+        picked = _pick_on_node(cands, need, lost, jobs)
+        if picked is None:
+            continue
+        count, lost_s, g_sum, idxs = picked
+        key = (count, lost_s, g_sum, slot.ord)
+        if best_key is None or key < best_key:
+            best_key, best = key, (slot, idxs, lost_s)
+    if best is None:
+        return None
+    slot, victims, lost_s = best
+    waiting = len(victims) + len(dict.fromkeys(pend_jobs.get(slot.ord, [])))
+    return Plan(victims, [slot], waiting, lost_s, 1)
+
+
+def plan_multi(
+    table: RunningTable,
+    index: FreeIndex,
+    nodes: int,
+    gpus_per_node: int,
+    usable: Callable[[NodeSlot], bool],
+    eligible: Callable[[int], bool],
+    pending: list[int],
+) -> Plan | None:
+    """``nodes`` whole nodes in one zone for the waiting job."""
+    pend = set(pending)  # membership only
+    holders, lost, jobs = table.holders, table.lost, table.jobs
+    best_key: tuple | None = None
+    best_plan: Plan | None = None
+    zone_start = 0
+    for z, _zone in enumerate(index.zones):
+        size = index.zone_size[z]
+        zone_slots = index.slots[zone_start : zone_start + size]
+        zone_start += size
+        if size < nodes:
+            continue
+        free_now: list[int] = []  # ords free for J without new victims
+        need_of: dict[int, list[int]] = {}
+        waits_of: dict[int, list[int]] = {}
+        for slot in zone_slots:
+            if slot.gpus < gpus_per_node:
+                continue
+            hs = holders[slot.ord]
+            if not hs:
+                if len(slot.free) == slot.gpus and usable(slot):
+                    free_now.append(slot.ord)
+                continue
+            if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
+                continue  # GPUs held by something the snapshot does not show: cannot be freed
+            needed: list[int] = []
+            waits: list[int] = []
+            ok = True
+            for i, _g in hs:
+                if i in pend:
+                    waits.append(i)
+                elif eligible(i):
+                    needed.append(i)
+                else:
+                    ok = False
+                    break
+            if not ok or not usable(slot):
+                continue
+            if needed:
+                need_of[slot.ord] = needed
+            else:
+                free_now.append(slot.ord)
+            waits_of[slot.ord] = waits
+        if len(free_now) + len(need_of) < nodes:
+            continue
+        # leaf potential: how many nodes of the leaf could be freed for J (static per plan)
+        potential: dict[int, int] = {}
+        for o in free_now:
+            li = index.slots[o].leaf_ix
+            potential[li] = potential.get(li, 0) + 1
+        for o in need_of:
+            li = index.slots[o].leaf_ix
+            potential[li] = potential.get(li, 0) + 1
+        freed = list(free_now)
+        chosen: list[int] = []
+        chosen_mark: dict[int, bool] = {}
+        if len(freed) < nodes:
+            remaining = {o: len(v) for o, v in need_of.items()}
+            rem_lost = {o: sum(lost[i] for i in v) for o, v in need_of.items()}
+            heap = [
+                (remaining[o], rem_lost[o], -potential[index.slots[o].leaf_ix], o) for o in sorted(need_of)
+            ]
+            heapq.heapify(heap)
+            done: dict[int, bool] = {}
+            while len(freed) < nodes and heap:
+                cnt, lst, negpot, o = heapq.heappop(heap)
+                if done.get(o) or cnt != remaining[o] or lst != rem_lost[o]:
+                    continue  # stale entry
+                for i in need_of[o]:
+                    if chosen_mark.get(i):
+                        continue
+                    chosen_mark[i] = True
+                    chosen.append(i)
+                    for o2 in table.nodes_of[i]:
+                        if o2 in need_of and not done.get(o2):
+                            remaining[o2] -= 1
+                            rem_lost[o2] -= lost[i]
+                            if remaining[o2] == 0:
+                                done[o2] = True
+                                freed.append(o2)
+                            else:
+                                heapq.heappush(
+                                    heap, (remaining[o2], rem_lost[o2], -potential[index.slots[o2].leaf_ix], o2)
+                                )
+                if not done.get(o):  # all its blockers are chosen now
+                    done[o] = True
+                    freed.append(o)
+            if len(freed) < nodes:
+                continue
+        # place on the freed nodes: fewest leaves, tightest fit; inside a leaf, nodes free now
+        # first, then those needing fewer victims
+        per_leaf: dict[int, list[int]] = {}
+        for o in sorted(freed):
+            per_leaf.setdefault(index.slots[o].leaf_ix, []).append(o)
+        counts = [(len(v), li) for li, v in sorted(per_leaf.items())]
+        choice = choose_leaves(counts, nodes)
+        if choice is None:
+            continue
+        picked: list[int] = []
+        for li, take in choice:
+            cands = per_leaf[li]
+            cands = sorted(
+                cands,
+                key=lambda o: (len(need_of.get(o, ())), sum(lost[i] for i in need_of.get(o, ())), o),
+            )
+            picked.extend(cands[:take])
+        victims: list[int] = []
+        vmark: dict[int, bool] = {}
+        waiting: list[int] = []
+        for o in picked:
+            for i in waits_of.get(o, ()):
+                if i not in waiting:
+                    waiting.append(i)
+            for i in need_of.get(o, ()):
+                if not vmark.get(i):
+                    vmark[i] = True
+                    victims.append(i)
+        victims.sort(key=lambda i: jobs[i].id)
+        lost_s = sum(lost[i] for i in victims)
+        key = (len(victims), lost_s, len(choice), z)
+        if best_key is None or key < best_key:
+            best_key = key
+            best_plan = Plan(victims, [index.slots[o] for o in sorted(picked)], len(victims) + len(waiting), lost_s, len(choice))
+    return best_plan

@@ -1,0 +1,85 @@
+"""Quotas in GPUs per (group, priority) and optionally per user inside a group.
+
+Semantics (documented for admins and the live service):
+
+* ``Quota(group, priority, gpus)`` caps the GPUs held by all of the group's active jobs
+  (starting, running, suspending) whose *effective* priority is ``priority``.
+* ``Quota(group, priority, gpus, user=u)`` caps user ``u``'s jobs in that group at that priority.
+* No quota row for a (group, priority) means no cap there. Two rows for the same key: the
+  smaller one holds.
+* A job is started only if every cap that applies still holds after it starts, so quotas are
+  never exceeded by the scheduler (if an admin lowers a quota below current use, nothing new
+  starts in that bucket until use falls; running jobs are not killed for it).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from hai.domain.jobs import Priority
+from hai.domain.scheduler.model import QueuedJob, Quota
+
+
+class QuotaBook:
+    def __init__(self, quotas: Iterable[Quota]):
+        self.group_limit: dict[tuple[str, int], int] = {}
+        self.user_limit: dict[tuple[str, int, str], int] = {}
+        for q in quotas:
+            if q.user is None:
+                key = (q.group, q.priority.rank)
+                self.group_limit[key] = min(q.gpus, self.group_limit.get(key, q.gpus))
+            else:
+                ukey = (q.group, q.priority.rank, q.user)
+                self.user_limit[ukey] = min(q.gpus, self.user_limit.get(ukey, q.gpus))
+        self.enabled = bool(self.group_limit or self.user_limit)
+        self.group_used: dict[tuple[str, int], int] = {}
+        self.user_used: dict[tuple[str, int, str], int] = {}
+
+    def charge(self, group: str, rank: int, user: str, gpus: int) -> None:
+        if not self.enabled:
+            return
+        key = (group, rank)
+        self.group_used[key] = self.group_used.get(key, 0) + gpus
+        ukey = (group, rank, user)
+        self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
+
+    def blocked(self, job: QueuedJob) -> str | None:
+        """None when the job may start within its quotas; else why not, in words."""
+        if not self.enabled:
+            return None
+        rank = job.priority.rank
+        need = job.gpu_count
+        pname = job.priority.value
+        key = (job.group, rank)
+        limit = self.group_limit.get(key)
+        if limit is not None:
+            if need > limit:
+                return f"needs {need} GPUs but group {job.group}'s quota at {pname} is {limit} GPUs"
+            used = self.group_used.get(key, 0)
+            if used + need > limit:
+                return f"group {job.group} at {pname} uses {used} of {limit} GPUs; this job needs {need}"
+        ukey = (job.group, rank, job.user)
+        ulimit = self.user_limit.get(ukey)
+        if ulimit is not None:
+            if need > ulimit:
+                return f"needs {need} GPUs but user {job.user}'s quota in group {job.group} at {pname} is {ulimit} GPUs"
+            used = self.user_used.get(ukey, 0)
+            if used + need > ulimit:
+                return (
+                    f"user {job.user} in group {job.group} at {pname} uses {used} of {ulimit} GPUs;"
+                    f" this job needs {need}"
+                )
+        return None
+
+    def violations(self) -> list[str]:
+        """Buckets whose use exceeds their cap (for the simulator's independent check)."""
+        out = []
+        for (group, rank), limit in sorted(self.group_limit.items()):
+            used = self.group_used.get((group, rank), 0)
+            if used > limit:
+                out.append(f"group {group} at {list(Priority)[rank].value}: {used} > {limit}")
+        for (group, rank, user), limit in sorted(self.user_limit.items()):
+            used = self.user_used.get((group, rank, user), 0)
+            if used > limit:
+                out.append(f"user {user} in {group} at {list(Priority)[rank].value}: {used} > {limit}")
+        return out
