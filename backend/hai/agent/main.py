@@ -97,6 +97,7 @@ class Agent:
         stop_jobs_on_exit: bool = False,
         backoff_max_s: float = 10.0,
         log_buffer_lines: int = 10000,
+        status_refresh_s: float = 5.0,
         sysfs: str = "/sys",
     ):
         self.server = server
@@ -113,10 +114,13 @@ class Agent:
         self.nics = discover_nics(sysfs)
         self.buf = LogBuffer(max_lines=log_buffer_lines)
         self._dirty = threading.Event()
+        self._soft = threading.Event()  # progress changed: report within status_refresh_s
+        self.status_refresh_s = status_refresh_s
+        self._last_sent = 0.0
         self._wake = threading.Event()
         self.node = NodeAgent(node=node, state_dir=state_dir, gpus=gpus, nics=self.nics, log_buffer=self.buf,
                               checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s, sysfs=sysfs,
-                              on_change=self._changed)
+                              on_change=self._changed, on_progress=self._soft.set)
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
@@ -143,6 +147,8 @@ class Agent:
     def _exchange(self, client: AgentClient, *, register: bool, wait_s: float) -> _Result:
         seq = self._next_seq()
         sent_at, sent_mono = time.time(), time.monotonic()
+        self._last_sent = sent_mono
+        self._soft.clear()
         statuses = self.node.statuses()
         res = _Result(seq=seq, sent_at=sent_at, sent_mono=sent_mono, statuses=statuses)
         try:
@@ -290,6 +296,8 @@ class Agent:
                     next_poll = 0.0
                     in_backoff = False
                 continue
+            if self._soft.is_set() and now - self._last_sent >= self.status_refresh_s:
+                self._dirty.set()  # progress waited long enough: report it now
             if poll is None and self._dirty.is_set() and not in_backoff:
                 next_poll = min(next_poll, now)
             if poll is None and now >= next_poll:
@@ -319,6 +327,8 @@ class Agent:
                 timeout = max(0.0, min(1.0, next_poll - now))
             elif self._dirty.is_set() and self.connected:
                 timeout = max(0.0, next_urgent - now)
+            elif self._soft.is_set():
+                timeout = max(0.0, min(1.0, self._last_sent + self.status_refresh_s - now))
             else:
                 timeout = 1.0
             if timeout > 0:
@@ -343,6 +353,7 @@ def run_agent(
     stop_jobs_on_exit: bool = False,
     backoff_max_s: float = 10.0,
     log_buffer_lines: int = 10000,
+    status_refresh_s: float = 5.0,
 ) -> None:
     """Run a node agent until ``stop_event`` is set or SIGTERM/SIGINT (main thread only).
 
@@ -351,6 +362,8 @@ def run_agent(
     e.g. two agents on one host standing for two nodes.
     ``checkpoint_root``: where HAI_CHECKPOINT_DIR lives (default: env HAI_CHECKPOINT_ROOT, else
     <state_dir>/jobs); set it to a shared filesystem so a job can resume on another node.
+    ``heartbeat_wait_s``: long-poll time; rank exits, suspend_ready and checkpoints are reported
+    at once regardless, progress within ``status_refresh_s``.
     ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
     running and a restarted agent reattaches to them.
     Raises SystemExit with a clear message when the server refuses the protocol version (426).
@@ -362,7 +375,7 @@ def run_agent(
                   address=address, heartbeat_wait_s=heartbeat_wait_s, stop_event=stop_event,
                   checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s,
                   stop_jobs_on_exit=stop_jobs_on_exit, backoff_max_s=backoff_max_s,
-                  log_buffer_lines=log_buffer_lines)
+                  log_buffer_lines=log_buffer_lines, status_refresh_s=status_refresh_s)
     try:
         agent.run()
     except ProtocolVersionUnsupported as e:

@@ -162,6 +162,7 @@ class NodeAgent:
         kill_grace_s: float = 10.0,
         sysfs: str = "/sys",
         on_change: Callable[[], None] | None = None,
+        on_progress: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.node = node
@@ -174,7 +175,8 @@ class NodeAgent:
         self.checkpoint_root = Path(root).resolve()
         self.kill_grace_s = kill_grace_s
         self.sysfs = sysfs
-        self.on_change = on_change or (lambda: None)
+        self.on_change = on_change or (lambda: None)  # worth reporting at once
+        self.on_progress = on_progress or (lambda: None)  # worth reporting soon (progress)
         self.clock = clock
         self.lock = threading.RLock()
         self._tail_lock = threading.Lock()
@@ -532,7 +534,8 @@ class NodeAgent:
                                            if isinstance(v, (int, float))})
                 if att.progress is None or pr.at >= att.progress.at:
                     att.progress = pr
-                return False  # progress rides on the next regular heartbeat
+                    self.on_progress()
+                return False  # not urgent: reported within the agent's status refresh period
             elif kind == "suspend_ready":
                 rank = int(ev.get("rank", 0))
                 for r in att.ranks:

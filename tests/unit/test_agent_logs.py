@@ -1,0 +1,147 @@
+"""Log capture: bounded buffer, a flood never blocks the job, drop marker with count, seqs that
+survive a restart."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+
+from hai.agent.gpu import FakeGpus
+from hai.agent.logs import AttemptTail, LogBuffer, LogShipper, RankTail, StreamTail, tail_attempt
+from hai.agent.node import NodeAgent
+from hai.agent.testing import assignment, wait_for
+from hai.protocol import LogLine
+
+PY = sys.executable
+DROP = re.compile(r"^\[hai\] (\d+) lines dropped \(log buffer full\)$")
+
+
+def _line(i: int, text: str = "x") -> LogLine:
+    return LogLine(job_id=1, attempt=0, rank=0, seq=i, ts=0.0, line=text)
+
+
+def test_the_buffer_is_bounded_by_lines_and_bytes_and_never_blocks():
+    buf = LogBuffer(max_lines=3, max_bytes=10)
+    assert [buf.offer(_line(i)) for i in range(4)] == [True, True, True, False]
+    assert [ln.seq for ln in buf.take(10, 1 << 20, timeout=0)] == [0, 1, 2]
+    assert buf.offer(_line(0, "0123456789")) and not buf.offer(_line(1, "y"))
+    assert buf.take(10, 1 << 20, timeout=0)[0].line == "0123456789"
+    t0 = time.monotonic()
+    assert buf.take(10, 100, timeout=0.05) == []
+    assert time.monotonic() - t0 < 1
+
+
+def _tail(tmp_path, streams=("stdout",)):
+    t = AttemptTail(job_id=1, attempt=0, state_path=str(tmp_path / "logstate.json"))
+    t.ranks[0] = RankTail(rank=0, streams=[StreamTail(path=str(tmp_path / f"0.{s}"), stream=s) for s in streams])
+    return t
+
+
+def test_partial_lines_wait_for_their_newline_unless_the_rank_ended(tmp_path):
+    buf = LogBuffer()
+    t = _tail(tmp_path)
+    f = tmp_path / "0.stdout"
+    f.write_bytes(b"one\ntw")
+    assert tail_attempt(t, buf, final=False) == (1, False)
+    with open(f, "ab") as fh:
+        fh.write(b"o\nthree")
+    tail_attempt(t, buf, final=False)
+    assert tail_attempt(t, buf, final=True)[1] is True
+    lines = buf.take(100, 1 << 20, 0)
+    assert [(ln.seq, ln.line) for ln in lines] == [(0, "one"), (1, "two"), (2, "three")]
+
+
+def test_drops_are_counted_and_announced_in_the_same_sequence(tmp_path):
+    buf = LogBuffer(max_lines=5)
+    t = _tail(tmp_path)
+    (tmp_path / "0.stdout").write_text("".join(f"line {i}\n" for i in range(12)))
+    tail_attempt(t, buf, final=False)
+    first = buf.take(100, 1 << 20, 0)
+    assert [ln.line for ln in first] == [f"line {i}" for i in range(5)]
+    with open(tmp_path / "0.stdout", "a") as fh:
+        fh.write("after\n")
+    tail_attempt(t, buf, final=False)
+    second = buf.take(100, 1 << 20, 0)
+    assert [(ln.seq, ln.stream, ln.line) for ln in second] == [
+        (5, "system", "[hai] 7 lines dropped (log buffer full)"), (6, "stdout", "after")]
+    assert t.dropped_total == 7
+
+
+def test_the_tail_state_survives_a_restart_without_reusing_a_seq(tmp_path):
+    buf = LogBuffer()
+    t = _tail(tmp_path, streams=("stdout", "stderr"))
+    (tmp_path / "0.stdout").write_text("a\nb\n")
+    (tmp_path / "0.stderr").write_text("E\n")
+    tail_attempt(t, buf, final=False)
+    with open(tmp_path / "0.stdout", "a") as fh:
+        fh.write("c\n")
+    t2 = _tail(tmp_path, streams=("stdout", "stderr"))  # a new agent process
+    t2.load()
+    tail_attempt(t2, buf, final=False)
+    lines = buf.take(100, 1 << 20, 0)
+    assert [(ln.seq, ln.stream, ln.line) for ln in lines] == [
+        (0, "stdout", "a"), (1, "stdout", "b"), (2, "stderr", "E"), (3, "stdout", "c")]
+
+
+def test_very_long_lines_are_cut_not_buffered_forever(tmp_path):
+    buf = LogBuffer()
+    t = _tail(tmp_path)
+    (tmp_path / "0.stdout").write_bytes(b"x" * 40000)
+    tail_attempt(t, buf, final=False)
+    lines = buf.take(100, 1 << 20, 0)
+    assert [len(ln.line) for ln in lines] == [16384, 16384]
+
+
+def test_a_log_flood_never_blocks_the_job_and_losses_are_visible(tmp_path):
+    """The server is stuck (the shipper blocks); a job printing 200k lines still runs at full
+    speed; once the server is back, the lines that fitted arrive in order, the rest is counted."""
+    n_lines = 200_000
+    buf = LogBuffer(max_lines=1000)
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_buffer=buf)
+    received: list[LogLine] = []
+    gate = threading.Event()
+
+    def send(lines):
+        gate.wait()
+        received.extend(lines)
+
+    stop = threading.Event()
+    shipper = LogShipper(buf, send, stop=stop)
+    shipper.start()
+    tail_stop = threading.Event()
+
+    def tail_loop():
+        while not tail_stop.is_set():
+            if not node.tail_logs():
+                tail_stop.wait(0.05)
+
+    tailer = threading.Thread(target=tail_loop, daemon=True)
+    tailer.start()
+    code = (f"import sys, time\nt = time.perf_counter()\nw = sys.stdout.write\n"
+            f"for i in range({n_lines}): w(f'flood line {{i}}\\n')\n"
+            f"sys.stderr.write(f'took {{time.perf_counter() - t:.3f}}\\n')\n")
+    try:
+        node.apply([assignment(1, [PY, "-c", code], env={"PYTHONUNBUFFERED": "0"})])
+        att = node.attempts[(1, 0)]
+        wait_for(lambda: node.attempts[(1, 0)].finished, timeout=60, step=node.tick, what="the flood to end")
+        assert att.ranks[0].exit_code == 0
+        assert len(received) == 0  # nothing could be shipped meanwhile: the job did not wait for it
+        gate.set()
+        wait_for(lambda: att.drained, timeout=60, what="the tail to drain")
+        wait_for(lambda: len(buf) == 0 and shipper.idle.is_set(), timeout=30, what="shipping")
+    finally:
+        gate.set()
+        tail_stop.set()
+        stop.set()
+        tailer.join(5)
+        shipper.join(5)
+    out = [ln for ln in received if ln.stream == "stdout"]
+    err = [ln for ln in received if ln.stream == "stderr"]  # the job's "took ..." line, if it fitted
+    dropped = sum(int(DROP.match(ln.line).group(1)) for ln in received if ln.stream == "system")
+    assert dropped > 0 and len(out) + len(err) + dropped == n_lines + 1
+    seqs = [ln.seq for ln in received]
+    assert sorted(seqs) == list(range(len(seqs)))  # gapless, unique: the markers take seqs too
+    nums = [int(ln.line.split()[-1]) for ln in out]
+    assert nums == sorted(nums)  # what got through is in order
