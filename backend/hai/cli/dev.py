@@ -95,7 +95,7 @@ class DevStack:
                 "--server", self.url, "--token", self.agent_token, "--node", node,
                 "--zone", zone, "--leaf", leaf, "--fake-gpus", str(self.gpus_per_agent),
                 "--state-dir", str((self.data_dir / "agents" / node).resolve()),
-                "--address", "127.0.0.1",
+                "--address", "127.0.0.1", "--stop-jobs-on-exit",
             ]
             self.agent_procs.append(subprocess.Popen(cmd, env=env))
 

@@ -90,16 +90,27 @@ def agent(
     zone: Annotated[str | None, typer.Option()] = None,
     leaf: Annotated[str | None, typer.Option()] = None,
     fake_gpus: Annotated[int | None, typer.Option(min=1, max=64, help="use N fake GPUs instead of NVML")] = None,
+    gpus: Annotated[str | None, typer.Option(help="use only these NVML GPU indices, e.g. 0,1")] = None,
     state_dir: Annotated[Path, typer.Option()] = Path("/var/lib/hai-agent"),
     address: Annotated[str | None, typer.Option(help="address other nodes reach this one at")] = None,
+    checkpoint_root: Annotated[str | None, typer.Option(help="where per-job checkpoint folders live")] = None,
+    kill_grace_s: Annotated[float, typer.Option(min=0, help="SIGTERM to SIGKILL")] = 10.0,
+    stop_jobs_on_exit: Annotated[bool, typer.Option(help="stop running jobs when the agent exits")] = False,
 ) -> None:
     """Run the node agent."""
     from hai.agent.main import run_agent
 
+    indices = None
+    if gpus:
+        try:
+            indices = [int(x) for x in gpus.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"--gpus expects indices like 0,1; got {gpus!r}") from None
     _logging()
     run_agent(
         server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
-        state_dir=str(state_dir), address=address,
+        state_dir=str(state_dir), address=address, gpu_indices=indices, checkpoint_root=checkpoint_root,
+        kill_grace_s=kill_grace_s, stop_jobs_on_exit=stop_jobs_on_exit,
     )
 
 
