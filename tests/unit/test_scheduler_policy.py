@@ -257,7 +257,7 @@ def test_planning_leaves_the_snapshot_unchanged():
 
 _ALLOWED_TOP = {
     "__future__", "bisect", "collections", "dataclasses", "datetime", "enum", "functools", "heapq",
-    "itertools", "math", "typing", "csv", "io", "re", "pydantic", "hai",
+    "itertools", "math", "operator", "typing", "csv", "io", "re", "pydantic", "hai",
 }
 _FORBIDDEN = ("sqlalchemy", "redis", "celery", "httpx", "fastapi", "kubernetes")
 

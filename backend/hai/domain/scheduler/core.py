@@ -24,6 +24,8 @@ quota-blocked, or has nothing left to wait for.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler.explain import fmt_duration, plural, waiting_for_checkpoints
 from hai.domain.scheduler.model import (
@@ -42,6 +44,12 @@ from hai.domain.scheduler.quota import QuotaBook
 
 _BY_RANK = list(Priority)
 _NORMAL_RANK = Priority.NORMAL.rank
+_RANK_BY_ID = {id(p): p.rank for p in Priority}  # identity lookup: enum hashing is slow in a hot loop
+
+
+def _rank(p: Priority) -> int:
+    r = _RANK_BY_ID.get(id(p))
+    return r if r is not None else Priority(p).rank
 
 
 def queue_order(job: QueuedJob) -> tuple:
@@ -63,35 +71,54 @@ class _Cycle:
         self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
         d = self.decisions
 
-        self.queue = sorted(snapshot.queued, key=queue_order)
+        # the queue by priority (high first), FIFO by first submission inside a priority
+        fifo = sorted(snapshot.queued, key=attrgetter("first_submitted_at", "id"))
+        by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
+        for j in fifo:
+            k = id(j.priority)
+            lst = by_prio.get(k)
+            if lst is None:
+                lst = by_prio[k] = []
+            lst.append(j)
+        by_level: dict[int, list[QueuedJob]] = {}
+        for lst in by_prio.values():
+            by_level.setdefault(_rank(lst[0].priority), []).extend(lst)
+        if len(by_prio) != len(by_level):  # the same priority as distinct objects: re-sort the merged levels
+            for lst in by_level.values():
+                lst.sort(key=attrgetter("first_submitted_at", "id"))
+        self.levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
+        self.queue = [j for _, js in self.levels for j in js]
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
-        queued_ids = {j.id: True for j in self.queue}
-        max_qrank = self.queue[0].priority.rank if self.queue else -1
+        max_qrank = self.levels[0][0] if self.levels else -1
 
         # 1. one pass over the running jobs: demotions, effective ranks, and which jobs could be
         #    victims this cycle (so the victim table indexes only those, and only when needed)
-        self.eff_rank: list[int] = []
-        self.min_ok: list[bool] = []
-        self.quantum_ok: list[bool] = []
+        running = snapshot.running
+        n = len(running)
+        self.eff_rank = eff_rank = [0] * n
+        self.min_ok = min_ok_l = [False] * n
+        self.quantum_ok = q_ok_l = [False] * n
         self.members: list[int] = []
+        members = self.members
         above = Priority.ABOVE_NORMAL
         suspending = JobState.SUSPENDING
         min_rt, quantum, demote_after = policy.min_runtime_s, policy.quantum_s, policy.demote_after_s
         ts = policy.time_sharing
         self.min_preemptible_rank: int | None = None  # lowest rank past its minimum runtime
         self.ts_users: dict[int, dict[str, int]] = {}  # rank -> user -> jobs past the quantum
-        self.young: dict[int, int] = {}  # rank -> jobs not yet past their minimum runtime
-        self.rank_users: dict[int, dict[str, int]] = {}  # rank -> user -> running jobs
-        eff_rank, min_ok_l, q_ok_l, members = self.eff_rank, self.min_ok, self.quantum_ok, self.members
-        for i, r in enumerate(snapshot.running):
+        self._queued_ids: dict[int, bool] | None = None
+        min_pr = None
+        rank_by_id = _RANK_BY_ID
+        for i, r in enumerate(running):
             prio = r.priority
-            rank = prio.rank
+            rank = rank_by_id.get(id(prio))
+            if rank is None:
+                rank = _rank(prio)
             if r.suspend_requested_for is not None or r.state is suspending:
-                eff_rank.append(rank)
-                min_ok_l.append(False)
-                q_ok_l.append(False)
-                if r.suspend_requested_for in queued_ids:
-                    self.pending_targets[r.suspend_requested_for] = True
+                eff_rank[i] = rank
+                target = r.suspend_requested_for
+                if target is not None and target in self.queued_ids:
+                    self.pending_targets[target] = True
                     members.append(i)
                 continue
             ran = now - r.started_at
@@ -104,25 +131,26 @@ class _Cycle:
                     )
                 )
                 rank = _NORMAL_RANK
-            eff_rank.append(rank)
-            ru = self.rank_users.setdefault(rank, {})
-            ru[r.user] = ru.get(r.user, 0) + 1
-            mr = r.min_runtime_s if r.min_runtime_s is not None else min_rt
-            if ran >= mr:
-                qok = ran >= quantum
-                min_ok_l.append(True)
-                q_ok_l.append(qok)
-                if self.min_preemptible_rank is None or rank < self.min_preemptible_rank:
-                    self.min_preemptible_rank = rank
-                if qok:
-                    users = self.ts_users.setdefault(rank, {})
+            eff_rank[i] = rank
+            mr = r.min_runtime_s
+            if ran >= (min_rt if mr is None else mr):
+                min_ok_l[i] = True
+                if min_pr is None or rank < min_pr:
+                    min_pr = rank
+                if ran >= quantum:
+                    q_ok_l[i] = True
+                    users = self.ts_users.get(rank)
+                    if users is None:
+                        users = self.ts_users[rank] = {}
                     users[r.user] = users.get(r.user, 0) + 1
-                if rank < max_qrank or (qok and ts):
+                    if ts:
+                        members.append(i)
+                        continue
+                if rank < max_qrank:
                     members.append(i)
-            else:
-                min_ok_l.append(False)
-                q_ok_l.append(False)
-                self.young[rank] = self.young.get(rank, 0) + 1
+        self.min_preemptible_rank = min_pr
+        self._young: dict[int, int] | None = None
+        self._rank_users: dict[int, dict[str, int]] | None = None
 
         # quotas: everything holding GPUs counts, at its effective priority
         self.quota = QuotaBook(snapshot.quotas)
@@ -150,6 +178,8 @@ class _Cycle:
         for slot in self.index.slots:
             if slot.name not in self.owner:
                 self.index.insert(slot)
+        # lowest priority among reservation owners (may be stale-low: only used to skip work)
+        self.lowest_owner_rank = min(self.owner_rank.values(), default=None)
 
         self._table: RunningTable | None = None
         self.place_fail: dict[tuple, str] = {}
@@ -171,6 +201,42 @@ class _Cycle:
                         self._cross_running = True
                         break
         return self._cross_running
+
+    @property
+    def queued_ids(self) -> dict[int, bool]:
+        if self._queued_ids is None:
+            self._queued_ids = {j.id: True for j in self.snap.queued}
+        return self._queued_ids
+
+    def _explain_counts(self) -> None:
+        """rank -> jobs below their minimum runtime, rank -> user -> running jobs (explanations only)."""
+        young: dict[int, int] = {}
+        rank_users: dict[int, dict[str, int]] = {}
+        suspending = JobState.SUSPENDING
+        eff, min_ok = self.eff_rank, self.min_ok
+        for i, r in enumerate(self.snap.running):
+            if r.suspend_requested_for is not None or r.state is suspending:
+                continue
+            rank = eff[i]
+            if not min_ok[i]:
+                young[rank] = young.get(rank, 0) + 1
+            ru = rank_users.get(rank)
+            if ru is None:
+                ru = rank_users[rank] = {}
+            ru[r.user] = ru.get(r.user, 0) + 1
+        self._young, self._rank_users = young, rank_users
+
+    @property
+    def young(self) -> dict[int, int]:
+        if self._young is None:
+            self._explain_counts()
+        return self._young  # type: ignore[return-value]
+
+    @property
+    def rank_users(self) -> dict[int, dict[str, int]]:
+        if self._rank_users is None:
+            self._explain_counts()
+        return self._rank_users  # type: ignore[return-value]
 
     def _young_lower(self, rank: int) -> int:
         return sum(n for r, n in self.young.items() if r < rank)
@@ -226,7 +292,14 @@ class _Cycle:
         """Reserved nodes this job may use: its own, and those of lower-priority owners."""
         if not self.owner:
             return []
-        rank = job.priority.rank
+        rank = _rank(job.priority)
+        low = self.lowest_owner_rank
+        if low is None or low >= rank:
+            own = self.owned.get(job.id)
+            if not own:
+                return []
+            by_name = self.index.by_name
+            return [by_name[n] for n in own if self.owner.get(n) == job.id]
         out = []
         for name, owner in self.owner.items():
             if owner == job.id or self.owner_rank[owner] < rank:
@@ -338,9 +411,13 @@ class _Cycle:
         key = (job.nodes, job.gpus_per_node, job.priority.rank, time_sharing, job.user if time_sharing else "")
         if not pending:
             if not self.policy.preemption or not self._could_preempt(job, time_sharing):
+                if not own:
+                    self.plan_fail[key] = True
                 return None, False
             if not own and key in self.plan_fail:
                 return None, False
+            if cap_reached:
+                return None, True  # victims may exist; the next cycle plans them
         table = self.table
         usable = self._usable(job)
         rank = job.priority.rank
@@ -394,6 +471,8 @@ class _Cycle:
             self.owner[s.name] = job.id
             self.index.remove(s)
         self.owner_rank[job.id] = job.priority.rank
+        if self.lowest_owner_rank is None or job.priority.rank < self.lowest_owner_rank:
+            self.lowest_owner_rank = job.priority.rank
         self.owned[job.id] = list(names)
         for name in old:
             if name not in names and self.owner.get(name) == job.id:
@@ -457,43 +536,98 @@ class _Cycle:
             self._apply_plan(job, plan)
             return
         pol = self.policy
-        if pol.time_sharing and pol.preemption and self.now - job.queued_at >= pol.wait_threshold_s and not deferred:
+        if pol.time_sharing and pol.preemption and job.queued_at <= self.now - pol.wait_threshold_s and not deferred:
             ts_waiters.append((job, reason, self.epoch))
             d.pending_reasons[job.id] = reason
             return
         d.pending_reasons[job.id] = reason + self._note(job, False, deferred)
         self._drop_reservation(job)
 
-    def _time_share(self, waiters: list) -> None:
+    def _time_share(self, waiters: list, rank: int) -> None:
+        """Time-sharing for one priority level: users in order of recent usage (least first;
+        ties by their oldest waiting job), each user's waiting jobs in FIFO order."""
         if not waiters:
             return
         usage = self.snap.usage
-        waiters.sort(key=lambda t: (usage.get(t[0].user, 0.0), t[0].first_submitted_at, t[0].id))
+        by_user: dict[str, list] = {}
+        for w in waiters:
+            lst = by_user.get(w[0].user)
+            if lst is None:
+                lst = by_user[w[0].user] = []
+            lst.append(w)
+        users = sorted(by_user, key=lambda u: (usage.get(u, 0.0), by_user[u][0][0].first_submitted_at, by_user[u][0][0].id))
         d = self.decisions
-        for job, reason, epoch in waiters:
-            if epoch != self.epoch:  # capacity came back since this job's turn: try again
-                extras = self._extras(job)
-                placement, reason, allocs = self._try_place(job, extras)
-                if placement is not None:
-                    d.pending_reasons.pop(job.id, None)
-                    self._start(job, placement, allocs)
+        pend = d.pending_reasons
+        owned, pt, plan_fail = self.owned, self.pending_targets, self.plan_fail
+        for user in users:
+            final: dict[tuple[int, int], str] = {}  # shapes that failed for this user (this epoch)
+            final_epoch = self.epoch
+            for job, reason, epoch in by_user[user]:
+                jid = job.id
+                simple = epoch == self.epoch and jid not in owned and jid not in pt
+                shape = (job.nodes, job.gpus_per_node)
+                if simple:
+                    if final_epoch != self.epoch:
+                        final.clear()
+                        final_epoch = self.epoch
+                    got = final.get(shape)
+                    if got is not None:
+                        pend[jid] = got
+                        continue
+                    if (job.nodes, job.gpus_per_node, rank, True, user) in plan_fail:
+                        got = final[shape] = reason + self._note(job, True, False)
+                        pend[jid] = got
+                        continue
+                if epoch != self.epoch:  # capacity came back since this job's turn: try again
+                    extras = self._extras(job)
+                    placement, reason, allocs = self._try_place(job, extras)
+                    if placement is not None:
+                        pend.pop(jid, None)
+                        self._start(job, placement, allocs)
+                        continue
+                plan, deferred = self._plan(job, time_sharing=True)
+                if plan is not None:
+                    self._apply_plan(job, plan)
                     continue
-            plan, deferred = self._plan(job, time_sharing=True)
-            if plan is not None:
-                self._apply_plan(job, plan)
-                continue
-            d.pending_reasons[job.id] = reason + self._note(job, True, deferred)
-            self._drop_reservation(job)
+                got = reason + self._note(job, True, deferred)
+                pend[jid] = got
+                self._drop_reservation(job)
+                if simple and not deferred and self.epoch == final_epoch:
+                    final[shape] = got
 
     def run(self) -> Decisions:
-        level: int | None = None
-        waiters: list = []
-        for job in self.queue:
-            rank = job.priority.rank
-            if rank != level:
-                self._time_share(waiters)
-                waiters = []
-                level = rank
-            self._process(job, waiters)
-        self._time_share(waiters)
+        pol = self.policy
+        ts_on = pol.time_sharing and pol.preemption
+        ts_since = self.now - pol.wait_threshold_s  # queued at or before this: past the threshold
+        owned, pt, place_fail, plan_fail = self.owned, self.pending_targets, self.place_fail, self.plan_fail
+        pend = self.decisions.pending_reasons
+        quota = self.quota if self.quota.enabled else None
+        cap = pol.max_preemptions_per_cycle
+        mpr = self.min_preemptible_rank
+        for rank, jobs in self.levels:
+            waiters: list = []
+            prio_possible = pol.preemption and mpr is not None and mpr < rank
+            for job in jobs:
+                # fast path: a job whose shape already failed this cycle, nothing reserved for it,
+                # and no preemption left to try; the full path handles everything else
+                jid = job.id
+                if jid in owned or jid in pt or job.allow_cross_zone:
+                    self._process(job, waiters)
+                    continue
+                reason = place_fail.get((job.nodes, job.gpus_per_node, False))
+                if reason is None or (quota is not None and quota.blocked(job) is not None):
+                    self._process(job, waiters)
+                    continue
+                deferred = False
+                if prio_possible and (job.nodes, job.gpus_per_node, rank, False, "") not in plan_fail:
+                    if self.plans_applied < cap:
+                        self._process(job, waiters)
+                        continue
+                    deferred = True
+                if ts_on and not deferred and job.queued_at <= ts_since:
+                    waiters.append((job, reason, self.epoch))
+                    pend[jid] = reason
+                    continue
+                pend[jid] = reason + self._note(job, False, deferred)
+            self._time_share(waiters, rank)
         return self.decisions
