@@ -144,6 +144,8 @@ def main(argv=None) -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         step += 1
+        if step == start + 1:
+            log(f"first step done at {time.time():.3f}")  # time-to-first-step on a (re)start
         if t_start is not None:
             timed_steps += 1
         if args.log_every and step % args.log_every == 0:

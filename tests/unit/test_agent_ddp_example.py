@@ -87,3 +87,56 @@ def test_suspend_and_resume_give_exactly_the_uninterrupted_result(tmp_path):
     m = FINAL.search(out2)
     assert m and (int(m.group(1)), m.group(2)) == (ref_step, ref_sum)
     assert st2.progress.step == STEPS
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+THROUGHPUT = re.compile(r"throughput samples/s=([0-9.]+)")
+BIG = ["--steps", "400", "--dim", "1024", "--hidden", "4096", "--layers", "6", "--batch-size", "256",
+       "--log-every", "100", "--warmup", "50"]
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_over_nccl_under_the_agent_with_nvml(tmp_path):
+    """On a GPU host: the same 2-rank NCCL training by hand and under the agent (NVML GPUs):
+    same result, throughput within a few percent, and NVML shows the job's GPUs busy."""
+    from hai.agent.gpu import NvmlGpus
+
+    port = _port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAI_")}
+    procs = [subprocess.Popen([PY, EXAMPLE, *BIG, "--ckpt-dir", str(tmp_path / "hand")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    hand_sps = float(THROUGHPUT.search(outs[0]).group(1))
+    hand_final = FINAL.search(outs[0]).groups()
+
+    gpus = NvmlGpus()
+    node = NodeAgent(node="gpu", state_dir=tmp_path / "state", gpus=gpus, kill_grace_s=5)
+    assert len(node.gpu_inventory) >= 2 and all(g.uuid.startswith("GPU-") for g in node.gpu_inventory)
+    node.apply([assignment(1, [PY, EXAMPLE, *BIG], attempt=1, job_type="torch", gpus=[0, 1], master_port=_port())])
+    peak = {0: 0.0, 1: 0.0}
+
+    def sample():
+        node.tick()
+        for m in node.gpu_metrics():
+            if m.index in peak:
+                peak[m.index] = max(peak[m.index], m.util_pct)
+
+    st = wait_for(lambda: (lambda s: s if s.finished else None)(node.statuses()[0]), timeout=300, interval=0.2,
+                  step=sample, what="the GPU run")
+    out = node.attempts[(1, 1)].rank_path(0, "stdout").read_text()
+    assert [r.exit_code for r in st.ranks] == [0, 0], out + node.attempts[(1, 1)].rank_path(0, "stderr").read_text()
+    agent_sps = float(THROUGHPUT.search(out).group(1))
+    print(f"\nGPU throughput samples/s: by hand {hand_sps:.0f}, under the agent {agent_sps:.0f} "
+          f"({100 * agent_sps / hand_sps:.1f}%); NVML peak util {peak}")
+    assert FINAL.search(out).groups() == hand_final
+    assert peak[0] > 0 and peak[1] > 0
+    assert agent_sps >= 0.9 * hand_sps
+    gpus.close()

@@ -112,3 +112,18 @@ def test_stale_temporary_files_of_a_crashed_write_are_removed(tmp_path):
     (d / ".ckpt-000000000001.pt.tmp-123").write_bytes(b"partial")
     m = sdk.CheckpointManager(d)
     assert os.listdir(d) == [] and m.latest() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_is_copied_to_pinned_host_memory_before_training_modifies_it(tmp_path):
+    m = sdk.CheckpointManager(tmp_path, keep=2)
+    w = torch.randn(4096, 4096, device="cuda")
+    expected = w.cpu()
+    for step in (1, 2):  # the second save reuses the pinned buffers
+        path = m.save({"w": w, "step": step}, step)
+        w.mul_(2.0).add_(1.0)  # queued right after the save: must not leak into the snapshot
+        m.wait()
+        state = m.load(path)
+        assert state["w"].device.type == "cpu" and torch.equal(state["w"], expected)
+        expected = w.cpu()
+    assert m.last_snapshot_s is not None and m.last_snapshot_s < m.last_duration_s

@@ -33,6 +33,9 @@ class _State:
         self.calls = 0
         self.latched = False
         self.pending: Any = None  # async collective of the previous check (work, tensor)
+        self.next_check = 1  # call number of the next check point (distributed)
+        self.last_check_mono: float | None = None
+        self.last_check_call = 0
         self.group: Any = None  # the CPU (gloo) process group the flag travels on
         self.group_for: Any = None  # the default group it was made for
         self.progress_last_write: float | None = None
@@ -122,15 +125,36 @@ def suspend_requested() -> bool:
     return _local_flag()
 
 
+def _env_int(name: str) -> int | None:
+    try:
+        v = os.environ.get(name)
+        return int(v) if v else None
+    except ValueError:
+        return None
+
+
+def _check_interval_s() -> float:
+    try:
+        return float(os.environ.get("HAI_SUSPEND_CHECK_INTERVAL_S", "0.2"))
+    except ValueError:
+        return 0.2
+
+
+MAX_CHECK_EVERY = 10_000
+
+
 def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
     """True when the platform asks the job to checkpoint and stop. Cheap: call it every step.
 
     In a torch.distributed job (torch.distributed imported and initialised) every rank gets the
-    same answer at the same step: each call starts a small asynchronous all-reduce (MAX) of the
-    local flag on a CPU (gloo) group and returns the result of the previous call's, so no CUDA
-    stream is synchronised and nothing waits on the network. Call it on EVERY rank, the same
-    number of times. ``every``: only check on every N-th call (default: env
-    HAI_SUSPEND_CHECK_EVERY or 1). ``sync=False``: no collective (only this rank's view).
+    same answer at the same step. At check points the ranks start a small asynchronous
+    all-reduce (MAX) of their local flag on a CPU (gloo) group and read the previous check
+    point's result, so no CUDA stream is synchronised and nobody waits on the network; the
+    request of any node's agent stops every rank. Check points are spaced to about
+    HAI_SUSPEND_CHECK_INTERVAL_S (0.2 s) of training: the spacing travels in the same all-reduce,
+    so every rank uses the same one. ``every``: a fixed spacing of N calls instead (or env
+    HAI_SUSPEND_CHECK_EVERY). Call it on EVERY rank, the same number of times.
+    ``sync=False``: no collective (this rank's own view only).
     Once True it stays True. Outside the platform: always False, no collective.
     """
     if control_dir() is None:
@@ -139,33 +163,42 @@ def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
     if st.latched:
         return True
     st.calls += 1
-    if every is None:
-        try:
-            every = int(os.environ.get("HAI_SUSPEND_CHECK_EVERY", "1"))
-        except ValueError:
-            every = 1
-    if every > 1 and (st.calls - 1) % every:
-        return False
+    fixed = every if every is not None else _env_int("HAI_SUSPEND_CHECK_EVERY")
     dist = _dist() if sync else None
     if dist is None:
-        if _local_flag():
+        if fixed is not None and fixed > 1 and (st.calls - 1) % fixed:
+            return False
+        if _local_flag():  # one stat(): cheap enough for every call
             st.latched = True
         return st.latched
+    if st.calls < st.next_check:
+        return False
     import torch  # torch.distributed is initialised, so torch is importable
 
     group = _flag_group(dist)
-    decided = False
+    interval = 1
     if st.pending is not None:
         work, tensor = st.pending
         work.wait()
-        decided = bool(tensor.item() > 0)
+        flag, interval = int(tensor[0]), int(tensor[1])
         st.pending = None
-    if decided:
-        st.latched = True
-        return True
-    tensor = torch.tensor([1 if _local_flag() else 0], dtype=torch.int32)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    st.pending = (work, tensor)
+        if flag > 0:
+            st.latched = True
+            return True
+    now = time.monotonic()
+    if fixed is not None:
+        proposal = max(1, fixed)
+    elif st.last_check_mono is not None and st.calls > st.last_check_call:
+        per_call = (now - st.last_check_mono) / (st.calls - st.last_check_call)
+        proposal = int(_check_interval_s() / per_call) if per_call > 0 else MAX_CHECK_EVERY
+        proposal = max(1, min(MAX_CHECK_EVERY, proposal))
+    else:
+        proposal = 1
+    tensor = torch.tensor([1 if _local_flag() else 0, proposal], dtype=torch.int64)
+    st.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
+    # ``interval`` is the previous all-reduce's result: the same on every rank
+    st.next_check = st.calls + max(1, fixed if fixed is not None else interval)
+    st.last_check_mono, st.last_check_call = now, st.calls
     return False
 
 

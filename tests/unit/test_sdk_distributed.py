@@ -1,0 +1,71 @@
+"""should_suspend() in a torch.distributed job: every rank gets the same answer at the same step,
+even when only one node's agent has delivered the request; suspend_ready() waits for every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, pathlib, sys, time
+    import torch.distributed as dist
+    from hai import sdk
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    control = pathlib.Path(os.environ["HAI_CONTROL_DIR"])
+    answered = None
+    for step in range(500):
+        if rank == 1 and step == 20:
+            (control / "suspend").write_text("{}")  # only node 2's agent has asked so far
+        if sdk.should_suspend():
+            answered = step
+            break
+        time.sleep(0.002 * (rank + 1))  # ranks run at different speeds
+    if rank == 0:
+        time.sleep(0.5)  # rank 0 writes the checkpoint
+    t_written = time.time()
+    sdk.suspend_ready()
+    print(json.dumps({"rank": rank, "step": answered, "written": t_written}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_rank_suspends_at_the_same_step_and_ready_waits_for_all(tmp_path):
+    port = _port()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    procs, controls = [], []
+    for rank in (0, 1):
+        control = tmp_path / f"control{rank}"  # two nodes: two agents, two control dirs
+        control.mkdir()
+        controls.append(control)
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "HAI_CONTROL_DIR": str(control)}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    steps = {r["step"] for r in results}
+    assert len(steps) == 1 and steps.pop() > 20  # the same step on both, after the request
+    ready = {rank: json.loads((controls[rank] / f"events.{rank}.jsonl").read_text().splitlines()[-1])
+             for rank in (0, 1)}
+    assert all(ev["type"] == "suspend_ready" for ev in ready.values())
+    # rank 1 said ready only after rank 0 had finished writing
+    assert ready[1]["at"] >= results[0]["written"]
