@@ -65,6 +65,9 @@ class Stack:
         return wait_for(lambda: (j := self.job(job_id))["state"] in states and j, timeout=timeout,
                         what=f"job {job_id} to reach {sorted(states)}")
 
+    def job_processes(self, job_id: int) -> list[int]:
+        return processes_with_env("HAI_JOB_ID", str(job_id), within=self.data_dir)
+
     def logs(self, job_id: int, **params) -> str:
         with self.client() as c:
             return c.get(f"/api/v1/jobs/{job_id}/logs", params=params).text
@@ -77,13 +80,14 @@ class Stack:
         return out
 
 
-def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None) -> Stack:
+def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None, gpus_per_agent: int = 8) -> Stack:
     port = free_port()
     data_dir = tmp_path / "hai"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HAI_FRONTEND_DIST": str(tmp_path / "no-dashboard"), **(extra_env or {})}
     log = (tmp_path / "dev.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", str(agents), "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", str(agents), "--data-dir", str(data_dir),
+         "--gpus-per-agent", str(gpus_per_agent)],
         cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -122,9 +126,11 @@ def stack(tmp_path):
     stop_stack(s)
 
 
-def processes_with_env(key: str, value: str) -> list[int]:
-    """PIDs of live processes whose environment holds key=value (reads /proc, like ps e)."""
+def processes_with_env(key: str, value: str, *, within: Path | None = None) -> list[int]:
+    """PIDs of live processes whose environment holds key=value (reads /proc, like ps e) and,
+    with ``within``, some variable pointing under that folder (one stack's jobs, not another's)."""
     needle = f"{key}={value}".encode()
+    marker = str(within).encode() if within is not None else b""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -134,6 +140,6 @@ def processes_with_env(key: str, value: str) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if needle in env and ") Z " not in stat:
+        if needle in env and ") Z " not in stat and (not marker or any(marker in v for v in env)):
             pids.append(int(entry.name))
     return pids

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.e2e.conftest import processes_with_env, wait_for
+from tests.e2e.conftest import wait_for
 
 
 def test_two_node_job_prints_each_rank_and_succeeds(stack):
@@ -32,11 +32,11 @@ def test_failing_command_ends_failed_with_its_exit_code(stack):
 def test_cancelled_long_job_leaves_no_process_behind(stack):
     job = stack.submit(name="long", nodes=2, command=["bash", "-c", "echo started; sleep 600"])
     stack.wait_state(job["id"], {"running"})
-    wait_for(lambda: len(processes_with_env("HAI_JOB_ID", str(job["id"]))) >= 2, what="the job's processes")
+    wait_for(lambda: len(stack.job_processes(job["id"])) >= 2, what="the job's processes")
     with stack.client() as c:
         assert c.post(f"/api/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
     # every rank is stopped and the GPUs come back
-    wait_for(lambda: processes_with_env("HAI_JOB_ID", str(job["id"])) == [], timeout=60, what="no process left")
+    wait_for(lambda: stack.job_processes(job["id"]) == [], timeout=60, what="no process left")
     with stack.client() as c:
         wait_for(lambda: all(n["free_gpus"] == n["gpus"] for n in c.get("/api/v1/nodes").json()), what="GPUs released")
     assert stack.job(job["id"])["state"] == "cancelled"
