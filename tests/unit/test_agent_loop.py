@@ -398,3 +398,16 @@ def test_an_agent_killed_mid_job_is_restarted_and_reattaches(server, tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_stop_jobs_on_exit_stops_the_ranks_and_reports_them(server, agents, tmp_path):
+    agent = agents(server.url, tmp_path / "state", wait_s=30.0, stop_jobs_on_exit=True)
+    s = _script(tmp_path, "long.py", "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    server.assign("n1", assignment(6, [PY, s], attempt=1))
+    st = wait_for(lambda: (lambda x: x if x and x.ranks and x.ranks[0].pid else None)(server.status(6, 1)),
+                  what="start")
+    wrapper = st.ranks[0].pid
+    agent.stop()
+    assert agent.error is None and not is_alive(wrapper, None) and group_members(wrapper) == []
+    st = server.status(6, 1)
+    assert st.finished and st.stop_cause == "requested" and st.ranks[0].exit_code == 128 + signal.SIGTERM

@@ -325,12 +325,12 @@ class Agent:
             now = time.monotonic()
             if poll is None:
                 timeout = max(0.0, min(1.0, next_poll - now))
-            elif self._dirty.is_set() and self.connected:
-                timeout = max(0.0, next_urgent - now)
-            elif self._soft.is_set():
-                timeout = max(0.0, min(1.0, self._last_sent + self.status_refresh_s - now))
-            else:
+            else:  # a long poll is in flight: wake for urgent reports (never spin)
                 timeout = 1.0
+                if self.connected and self._dirty.is_set():
+                    timeout = max(0.01, next_urgent - now)
+                elif self.connected and self._soft.is_set():
+                    timeout = max(0.01, min(1.0, self._last_sent + self.status_refresh_s - now))
             if timeout > 0:
                 self._wake.wait(timeout)
 
