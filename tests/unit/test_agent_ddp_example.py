@@ -87,6 +87,9 @@ def test_suspend_and_resume_give_exactly_the_uninterrupted_result(tmp_path):
     m = FINAL.search(out2)
     assert m and (int(m.group(1)), m.group(2)) == (ref_step, ref_sum)
     assert st2.progress.step == STEPS
+    first_step_at = float(re.search(r"first step done at ([0-9.]+)", out2).group(1))
+    print(f"\nsuspend request -> ranks gone: {st.finished_at - st.suspend_requested_at:.2f}s; "
+          f"resume launch -> first step: {first_step_at - st2.started_at:.2f}s")
 
 
 def _gpus() -> int:

@@ -345,3 +345,19 @@ def test_start_ticks_guard_against_pid_reuse():
     me = os.getpid()
     assert is_alive(me, start_ticks(me))
     assert not is_alive(me, (start_ticks(me) or 0) + 12345)
+
+
+def test_hfreduce_ranks_really_run_on_their_numa_nodes_cpus(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    sysfs = tmp_path / "sys"
+    d = sysfs / "devices" / "system" / "node" / "node0"
+    d.mkdir(parents=True)
+    (d / "cpulist").write_text(f"{cpus[0]}\n")
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1", numa_nodes=[0]),
+                     sysfs=str(sysfs))
+    s = _script(tmp_path, "aff.py", "import os; print(sorted(os.sched_getaffinity(0)), os.environ['HAI_NUMA_NODE'])\n")
+    node.apply([assignment(1, [PY, s], job_type="hfreduce", gpus=[0])])
+    st = _finished(node, 1)
+    assert st.ranks[0].exit_code == 0
+    out = node.attempts[(1, 0)].rank_path(0, "stdout").read_text().strip()
+    assert out == f"[{cpus[0]}] 0"
