@@ -211,3 +211,23 @@ def test_logs_survive_a_server_restart(cluster, settings):
             assert r.text == "[rank 0] kept\n"
     finally:
         fresh.close()
+
+
+def test_agents_owning_some_gpus_of_a_host_get_their_own_indices(api):
+    """Two agents on one 2-GPU host (`hai agent --gpus 0` / `--gpus 1`) stand for two nodes."""
+    from hai.protocol import AgentHello, GpuInfo
+
+    for i in range(2):
+        hello = AgentHello(node=f"g{i}", zone="A", leaf=f"A{i + 1}", address="127.0.0.1",
+                           gpus=[GpuInfo(index=i, uuid=f"GPU-{i}", model="H200", memory_total_mib=143771)])
+        r = api.client.post("/api/v1/agent/register", json=hello.model_dump(mode="json"), headers=api.h(api.agent))
+        assert r.status_code == 200
+    j = api.submit(nodes=2, gpus_per_node=1, job_type="torch")
+    assert cycle(api).started == [j["id"]]
+    placement = job(api, j["id"])["placement"]
+    assert [(p["node"], p["gpus"]) for p in placement] == [("g0", [0]), ("g1", [1])]
+    (a1,) = heartbeat(api, "g1")["assignments"]
+    assert a1["spec"]["gpus"] == [1]
+    # held GPUs are seen as held: a second job does not fit
+    api.submit(gpus_per_node=1)
+    assert cycle(api).started == []

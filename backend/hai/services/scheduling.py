@@ -46,19 +46,32 @@ def _ts(dt: datetime | None) -> float | None:
     return dt.timestamp() if dt is not None else None
 
 
+def gpu_indices(node: Node) -> list[int]:
+    """The node's GPU indices as its agent numbers them (an agent may own GPUs 4-7 of a host).
+    The domain counts a node's GPUs by position 0..gpus-1; the service translates both ways."""
+    indices = sorted(int(g["index"]) for g in (node.gpu_inventory or []))
+    return indices if len(indices) == node.gpus else list(range(node.gpus))
+
+
+def _positions(indices: list[int], held: set[int] | list[int]) -> tuple[int, ...]:
+    where = {idx: pos for pos, idx in enumerate(indices)}
+    return tuple(sorted(where[g] for g in held if g in where))
+
+
 def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sched.Snapshot:
     nodes = list(session.scalars(select(Node).order_by(Node.name)))
     held: dict[str, set[int]] = {}
     for alloc in session.scalars(select(JobAllocation).where(JobAllocation.active.is_(True))):
         held.setdefault(alloc.node_name, set()).update(alloc.gpus)
     fresh_after = now - timedelta(seconds=lost_after_s)
+    indices = {n.name: gpu_indices(n) for n in nodes}
     node_views = tuple(
         sched.NodeView(
             name=n.name,
             zone=n.zone,
             leaf=n.leaf,
             gpus=n.gpus,
-            free_gpus=tuple(g for g in range(n.gpus) if g not in held.get(n.name, set())),
+            free_gpus=tuple(pos for pos, g in enumerate(indices[n.name]) if g not in held.get(n.name, set())),
             schedulable=n.state in SCHEDULABLE_NODE_STATES
             and n.last_heartbeat_at is not None
             and n.last_heartbeat_at >= fresh_after,
@@ -106,7 +119,7 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
                     nodes=j.nodes,
                     gpus_per_node=j.gpus_per_node,
                     allocations=tuple(
-                        sched.Allocation(a.node_name, tuple(a.gpus))
+                        sched.Allocation(a.node_name, _positions(indices.get(a.node_name, []), a.gpus))
                         for a in j.allocations
                         if a.active and a.attempt == j.attempt
                     ),
@@ -198,6 +211,7 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
     )
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(sorted(ids))).with_for_update())} if ids else {}
     nodes = {n.name: n for n in session.scalars(select(Node))}
+    indices = {name: gpu_indices(n) for name, n in nodes.items()}
 
     for demote in decisions.demotions:
         job = jobs.get(demote.job_id)
@@ -213,7 +227,12 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         transition(session, job, JobState.STARTING, reason=f"placed: {start.reason}", now=now)
         for rank, alloc in enumerate(start.allocations):
             job.allocations.append(
-                JobAllocation(attempt=job.attempt, node_name=alloc.node, node_rank=rank, gpus=list(alloc.gpus))
+                JobAllocation(
+                    attempt=job.attempt,
+                    node_name=alloc.node,
+                    node_rank=rank,
+                    gpus=[indices[alloc.node][pos] for pos in alloc.gpus],
+                )
             )
         head = start.allocations[0].node
         job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"
