@@ -530,24 +530,27 @@ class Simulation:
 
     def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could
-        use right then? Idle nodes reserved for another job of its priority or higher through the
-        whole cycle (before and after it) are not usable; every other idle node counts."""
+        use at its turn in the cycle? An idle node reserved for another job of its priority or
+        higher was not usable: if that owner comes before it in queue order, when the owner still
+        holds the node after the cycle; if the owner comes after it, when the owner held the node
+        before the cycle. Every other idle node counts."""
         blocked: dict[str, int] = {}
         rank = j.priority.rank
-        for owner, names in before.items():
+        me = (-rank, j.t.submit_s, j.t.id)
+        for owner in dict.fromkeys(list(before) + list(after)):
             if owner == j.t.id:
                 continue
             oj = self.jobs.get(owner)
-            kept = after.get(owner, ())
-            if oj is not None and oj.priority.rank >= rank:
-                for name in names:
-                    if name not in kept:
-                        continue
-                    i = self.node_ix.get(name)
-                    if i is not None and len(self.free[i]) == self.nodes[i].gpus:
-                        node = self.nodes[i]
-                        key = node.zone + "\x00" + node.leaf
-                        blocked[key] = blocked.get(key, 0) + 1
+            if oj is None or oj.priority.rank < rank:
+                continue
+            ahead = (-oj.priority.rank, oj.t.submit_s, oj.t.id) < me
+            names = after.get(owner, ()) if ahead else before.get(owner, ())
+            for name in names:
+                i = self.node_ix.get(name)
+                if i is not None and len(self.free[i]) == self.nodes[i].gpus:
+                    node = self.nodes[i]
+                    key = node.zone + "\x00" + node.leaf
+                    blocked[key] = blocked.get(key, 0) + 1
         best = None
         for zone, leaves in self.zone_leaf_idle.items():
             counts = [c - blocked.get(zone + "\x00" + leaf, 0) for leaf, c in leaves.items()]

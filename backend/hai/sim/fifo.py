@@ -21,8 +21,8 @@ priorities - the Philly trace has one).
 from __future__ import annotations
 
 import random
+from operator import attrgetter
 
-from hai.domain.scheduler.core import queue_order
 from hai.domain.scheduler.model import Allocation, Decisions, Policy, Snapshot, Start
 from hai.domain.scheduler.quota import QuotaBook
 
@@ -42,14 +42,13 @@ class FifoScheduler:
         nodes = sorted((n for n in snapshot.nodes if n.schedulable), key=lambda n: n.name)
         free = {n.name: list(n.free_gpus) for n in nodes}
         size = {n.name: n.gpus for n in nodes}
-        head = None
-        for job in sorted(snapshot.queued, key=queue_order):
+        queue = sorted(snapshot.queued, key=attrgetter("first_submitted_at", "id"))
+        if len({id(q.priority) for q in queue}) > 1:
+            queue.sort(key=lambda q: -q.priority.rank)  # stable: FIFO inside a priority
+        for pos, job in enumerate(queue):
             blocked = quota.blocked(job)
             if blocked:
                 d.pending_reasons[job.id] = blocked
-                continue
-            if head is not None:
-                d.pending_reasons[job.id] = f"waiting behind job {head} (FIFO: the queue head starts first)"
                 continue
             g = job.gpus_per_node
             if job.nodes == 1:
@@ -57,11 +56,18 @@ class FifoScheduler:
             else:
                 cands = [n.name for n in nodes if len(free[n.name]) == size[n.name] and size[n.name] >= g]
             if len(cands) < job.nodes:
-                head = job.id
                 d.pending_reasons[job.id] = (
                     f"needs {job.nodes} node(s) x {g} GPU(s); only {len(cands)} node(s) can take it (FIFO head)"
                 )
-                continue
+                # everyone behind the head waits (out-of-quota jobs do not block, as in the release)
+                behind = f"waiting behind job {job.id} (FIFO: the queue head starts first)"
+                rest = queue[pos + 1 :]
+                if quota.enabled:
+                    for other in rest:
+                        d.pending_reasons[other.id] = quota.blocked(other) or behind
+                else:
+                    d.pending_reasons.update(dict.fromkeys([q.id for q in rest], behind))
+                break
             chosen = self.rng.sample(cands, job.nodes)
             allocs = []
             for name in chosen:

@@ -24,6 +24,7 @@ quota-blocked, or has nothing left to wait for.
 
 from __future__ import annotations
 
+import heapq
 from operator import attrgetter
 
 from hai.domain.jobs import JobState, Priority
@@ -74,12 +75,15 @@ class _Cycle:
         # the queue by priority (high first), FIFO by first submission inside a priority
         fifo = sorted(snapshot.queued, key=attrgetter("first_submitted_at", "id"))
         by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
-        for j in fifo:
-            k = id(j.priority)
-            lst = by_prio.get(k)
-            if lst is None:
-                lst = by_prio[k] = []
-            lst.append(j)
+        pids = [id(j.priority) for j in fifo]
+        if fifo and pids.count(pids[0]) == len(pids):  # one priority: the common case
+            by_prio[pids[0]] = fifo
+        else:
+            for k, j in zip(pids, fifo):
+                lst = by_prio.get(k)
+                if lst is None:
+                    lst = by_prio[k] = []
+                lst.append(j)
         by_level: dict[int, list[QueuedJob]] = {}
         for lst in by_prio.values():
             by_level.setdefault(_rank(lst[0].priority), []).extend(lst)
@@ -87,7 +91,7 @@ class _Cycle:
             for lst in by_level.values():
                 lst.sort(key=attrgetter("first_submitted_at", "id"))
         self.levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
-        self.queue = [j for _, js in self.levels for j in js]
+        self.queue = fifo if len(self.levels) == 1 else [j for _, js in self.levels for j in js]
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
         max_qrank = self.levels[0][0] if self.levels else -1
 
@@ -109,6 +113,10 @@ class _Cycle:
         self._queued_ids: dict[int, bool] | None = None
         min_pr = None
         rank_by_id = _RANK_BY_ID
+        # rank -> a user with an active job there, and whether there are several (explanations)
+        first_user: dict[int, str] = {}
+        many_users: dict[int, bool] = {}
+        self.first_user, self.many_users = first_user, many_users
         for i, r in enumerate(running):
             prio = r.priority
             rank = rank_by_id.get(id(prio))
@@ -132,6 +140,11 @@ class _Cycle:
                 )
                 rank = _NORMAL_RANK
             eff_rank[i] = rank
+            fu = first_user.get(rank)
+            if fu is None:
+                first_user[rank] = r.user
+            elif fu != r.user:
+                many_users[rank] = True
             mr = r.min_runtime_s
             if ran >= (min_rt if mr is None else mr):
                 min_ok_l[i] = True
@@ -150,7 +163,6 @@ class _Cycle:
                     members.append(i)
         self.min_preemptible_rank = min_pr
         self._young: dict[int, int] | None = None
-        self._rank_users: dict[int, dict[str, int]] | None = None
 
         # quotas: everything holding GPUs counts, at its effective priority
         self.quota = QuotaBook(snapshot.quotas)
@@ -208,37 +220,27 @@ class _Cycle:
             self._queued_ids = {j.id: True for j in self.snap.queued}
         return self._queued_ids
 
-    def _explain_counts(self) -> None:
-        """rank -> jobs below their minimum runtime, rank -> user -> running jobs (explanations only)."""
-        young: dict[int, int] = {}
-        rank_users: dict[int, dict[str, int]] = {}
-        suspending = JobState.SUSPENDING
-        eff, min_ok = self.eff_rank, self.min_ok
-        for i, r in enumerate(self.snap.running):
-            if r.suspend_requested_for is not None or r.state is suspending:
-                continue
-            rank = eff[i]
-            if not min_ok[i]:
-                young[rank] = young.get(rank, 0) + 1
-            ru = rank_users.get(rank)
-            if ru is None:
-                ru = rank_users[rank] = {}
-            ru[r.user] = ru.get(r.user, 0) + 1
-        self._young, self._rank_users = young, rank_users
+    def _other_user_at(self, rank: int, user: str) -> bool:
+        """Does a running (not suspending) job of another user have this effective rank?"""
+        fu = self.first_user.get(rank)
+        return fu is not None and (fu != user or self.many_users.get(rank, False))
 
     @property
     def young(self) -> dict[int, int]:
+        """rank -> running jobs not yet past their minimum runtime (explanations only)."""
         if self._young is None:
-            self._explain_counts()
-        return self._young  # type: ignore[return-value]
-
-    @property
-    def rank_users(self) -> dict[int, dict[str, int]]:
-        if self._rank_users is None:
-            self._explain_counts()
-        return self._rank_users  # type: ignore[return-value]
+            young: dict[int, int] = {}
+            suspending = JobState.SUSPENDING
+            eff, min_ok = self.eff_rank, self.min_ok
+            for i, r in enumerate(self.snap.running):
+                if not min_ok[i] and r.suspend_requested_for is None and r.state is not suspending:
+                    young[eff[i]] = young.get(eff[i], 0) + 1
+            self._young = young
+        return self._young
 
     def _young_lower(self, rank: int) -> int:
+        if not any(r < rank for r in self.first_user):
+            return 0
         return sum(n for r, n in self.young.items() if r < rank)
 
     def _could_preempt(self, job: QueuedJob, time_sharing: bool) -> bool:
@@ -425,9 +427,18 @@ class _Cycle:
         if not self.policy.preemption:
             eligible = lambda i: False  # noqa: E731 - only wait for what is already suspending
         if job.nodes == 1:
-            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending)
+            singles = table.singles(rank, time_sharing) if self.policy.preemption else None
+            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles)
         else:
-            plan = plan_multi(table, self.index, job.nodes, job.gpus_per_node, usable, eligible, pending)
+            fast = same_user = None
+            if self.policy.preemption and not pending:
+                fast = table.zones_for(rank, time_sharing, self.index)
+                if time_sharing:
+                    ranks, jobs_, user = table.rank, table.jobs, job.user
+                    same_user = lambda i: ranks[i] == rank and jobs_[i].user == user  # noqa: E731
+            plan = plan_multi(
+                table, self.index, job.nodes, job.gpus_per_node, usable, eligible, pending, fast, same_user
+            )
         if plan is None:
             if not pending and not own:
                 self.plan_fail[key] = True
@@ -499,7 +510,7 @@ class _Cycle:
                     f"{plural(young, 'lower-priority job')} could make room but"
                     f" {'has' if young == 1 else 'have'} run less than the {fmt_duration(pol.min_runtime_s)} minimum"
                 )
-            if ts_tried and any(u != job.user for u in self.rank_users.get(job.priority.rank, ())):
+            if ts_tried and self._other_user_at(job.priority.rank, job.user):
                 if any(u != job.user for u in self.ts_users.get(job.priority.rank, ())):
                     parts.append(
                         f"time-sharing: no job of another user at {job.priority.value} that has run its"
@@ -515,7 +526,7 @@ class _Cycle:
         return note
 
     # -- the cycle -------------------------------------------------------------------------------
-    def _process(self, job: QueuedJob, ts_waiters: list) -> None:
+    def _process(self, job: QueuedJob, waiters: "_Waiters") -> None:
         d = self.decisions
         if job.nodes < 1 or job.gpus_per_node < 1:
             d.pending_reasons[job.id] = "asks for no GPUs; nothing to schedule"
@@ -537,63 +548,71 @@ class _Cycle:
             return
         pol = self.policy
         if pol.time_sharing and pol.preemption and job.queued_at <= self.now - pol.wait_threshold_s and not deferred:
-            ts_waiters.append((job, reason, self.epoch))
+            waiters.specials.setdefault(job.user, []).append((job, reason, self.epoch))
             d.pending_reasons[job.id] = reason
             return
         d.pending_reasons[job.id] = reason + self._note(job, False, deferred)
         self._drop_reservation(job)
 
-    def _time_share(self, waiters: list, rank: int) -> None:
+    def _ts_one(self, job: QueuedJob, reason: str, epoch: int) -> tuple[bool, bool]:
+        """Time-sharing for one waiting job: (made progress, deferred by the per-cycle cap)."""
+        pend = self.decisions.pending_reasons
+        if epoch != self.epoch:  # capacity came back since this job's turn: try to place it again
+            placement, reason, allocs = self._try_place(job, self._extras(job))
+            if placement is not None:
+                pend.pop(job.id, None)
+                self._start(job, placement, allocs)
+                return True, False
+        plan, deferred = self._plan(job, time_sharing=True)
+        if plan is not None:
+            self._apply_plan(job, plan)
+            return True, False
+        pend[job.id] = reason + self._note(job, True, deferred)
+        self._drop_reservation(job)
+        return False, deferred
+
+    def _time_share(self, waiters: "_Waiters") -> None:
         """Time-sharing for one priority level: users in order of recent usage (least first;
-        ties by their oldest waiting job), each user's waiting jobs in FIFO order."""
-        if not waiters:
+        ties by their oldest waiting job), each user's waiting jobs in FIFO order. Jobs of one
+        user and shape with nothing reserved behave alike: once one finds no victims, the rest
+        of them keep the failure reason they were given (no per-job work)."""
+        groups, specials = waiters.groups, waiters.specials
+        if not groups and not specials:
             return
         usage = self.snap.usage
-        by_user: dict[str, list] = {}
-        for w in waiters:
-            lst = by_user.get(w[0].user)
-            if lst is None:
-                lst = by_user[w[0].user] = []
-            lst.append(w)
-        users = sorted(by_user, key=lambda u: (usage.get(u, 0.0), by_user[u][0][0].first_submitted_at, by_user[u][0][0].id))
-        d = self.decisions
-        pend = d.pending_reasons
-        owned, pt, plan_fail = self.owned, self.pending_targets, self.plan_fail
-        for user in users:
-            final: dict[tuple[int, int], str] = {}  # shapes that failed for this user (this epoch)
-            final_epoch = self.epoch
-            for job, reason, epoch in by_user[user]:
-                jid = job.id
-                simple = epoch == self.epoch and jid not in owned and jid not in pt
-                shape = (job.nodes, job.gpus_per_node)
-                if simple:
-                    if final_epoch != self.epoch:
-                        final.clear()
-                        final_epoch = self.epoch
-                    got = final.get(shape)
-                    if got is not None:
-                        pend[jid] = got
-                        continue
-                    if (job.nodes, job.gpus_per_node, rank, True, user) in plan_fail:
-                        got = final[shape] = reason + self._note(job, True, False)
-                        pend[jid] = got
-                        continue
-                if epoch != self.epoch:  # capacity came back since this job's turn: try again
-                    extras = self._extras(job)
-                    placement, reason, allocs = self._try_place(job, extras)
-                    if placement is not None:
-                        pend.pop(jid, None)
-                        self._start(job, placement, allocs)
-                        continue
-                plan, deferred = self._plan(job, time_sharing=True)
-                if plan is not None:
-                    self._apply_plan(job, plan)
+        oldest: dict[str, tuple[float, int]] = {}
+        for user, byshape in groups.items():
+            for _reason, _epoch, lst in byshape.values():
+                k = (lst[0].first_submitted_at, lst[0].id)
+                if user not in oldest or k < oldest[user]:
+                    oldest[user] = k
+        for user, lst2 in specials.items():
+            k = (lst2[0][0].first_submitted_at, lst2[0][0].id)
+            if user not in oldest or k < oldest[user]:
+                oldest[user] = k
+        pend = self.decisions.pending_reasons
+        for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
+            heap: list[tuple] = []
+            for k, (job, _r, _e) in enumerate(specials.get(user, ())):
+                heap.append((job.first_submitted_at, job.id, 0, k, 0))
+            for shape, (_r, _e, lst) in groups.get(user, {}).items():
+                heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
+            heapq.heapify(heap)
+            while heap:
+                _t, _id, kind, key, pos = heapq.heappop(heap)
+                if kind == 0:
+                    job, reason, epoch = specials[user][key]
+                    self._ts_one(job, reason, epoch)
                     continue
-                got = reason + self._note(job, True, deferred)
-                pend[jid] = got
-                self._drop_reservation(job)
-                if simple and not deferred and self.epoch == final_epoch:
-                    final[shape] = got
+                reason, epoch, lst = groups[user][key]
+                ok, deferred = self._ts_one(lst[pos], reason, epoch)
+                if ok:
+                    if pos + 1 < len(lst):
+                        nxt = lst[pos + 1]
+                        heapq.heappush(heap, (nxt.first_submitted_at, nxt.id, 1, key, pos + 1))
+                elif deferred:  # the rest of the group is deferred too, not out of victims
+                    for job in lst[pos + 1 :]:
+                        pend[job.id] = reason + self._note(job, True, True)
 
     def run(self) -> Decisions:
         pol = self.policy
@@ -605,7 +624,9 @@ class _Cycle:
         cap = pol.max_preemptions_per_cycle
         mpr = self.min_preemptible_rank
         for rank, jobs in self.levels:
-            waiters: list = []
+            waiters = _Waiters()
+            flat: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
+            final: dict[tuple[str, bool], str] = {}  # (placement reason, deferred) -> full reason
             prio_possible = pol.preemption and mpr is not None and mpr < rank
             for job in jobs:
                 # fast path: a job whose shape already failed this cycle, nothing reserved for it,
@@ -625,9 +646,32 @@ class _Cycle:
                         continue
                     deferred = True
                 if ts_on and not deferred and job.queued_at <= ts_since:
-                    waiters.append((job, reason, self.epoch))
-                    pend[jid] = reason
+                    gkey = (job.user, job.nodes, job.gpus_per_node)
+                    grp = flat.get(gkey)
+                    if grp is None:
+                        # the reason its jobs keep if time-sharing finds nothing for them
+                        grp = flat[gkey] = (reason, self.epoch, [], reason + self._note(job, True, False))
+                    grp[2].append(job)
+                    pend[jid] = grp[3]
                     continue
-                pend[jid] = reason + self._note(job, False, deferred)
-            self._time_share(waiters, rank)
+                fkey = (reason, deferred)
+                got = final.get(fkey)
+                if got is None:
+                    got = final[fkey] = reason + self._note(job, False, deferred)
+                pend[jid] = got
+            for (user, n, g), (reason, epoch, lst, _final) in flat.items():
+                waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
+            self._time_share(waiters)
         return self.decisions
+
+
+class _Waiters:
+    """The jobs of one priority level that waited past the threshold and may time-share:
+    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order)) for jobs
+    with nothing reserved, ``specials`` (user -> [(job, reason, epoch)]) for the others."""
+
+    __slots__ = ("groups", "specials")
+
+    def __init__(self) -> None:
+        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob]]]] = {}
+        self.specials: dict[str, list[tuple[QueuedJob, str, int]]] = {}

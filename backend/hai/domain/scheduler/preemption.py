@@ -57,6 +57,7 @@ class RunningTable:
         index: FreeIndex,
     ):
         self.jobs = jobs
+        self.members = members
         self.rank = eff_rank
         self.min_ok = min_ok
         self.quantum_ok = quantum_ok
@@ -69,6 +70,9 @@ class RunningTable:
         self.holders = holders
         self.nodes_of: list[list[int]] = [[] for _ in jobs]
         self.pending_for: dict[int, list[int]] = {}
+        self._singles: dict[tuple[int, bool], list[tuple[float, int, int, int, int]]] = {}
+        self._zones: dict[tuple[int, bool], list] = {}
+        self.pending_mark = [False] * n
         by_name = index.by_name
         for i in members:
             j = jobs[i]
@@ -95,6 +99,70 @@ class RunningTable:
             self.lost[i] = g * max(0.0, now - since)
             if j.suspend_requested_for is not None:
                 self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
+                self.pending_mark[i] = True
+        # GPUs held on each node by the indexed jobs
+        self.held = [sum(g for _i, g in hs) for hs in holders]
+
+    def singles(self, rank: int, time_sharing: bool) -> list[tuple[float, int, int, int, int]]:
+        """(lost GPU-s, GPUs on the node, node ord, job id, job index) for every (victim, node)
+        pair a waiting job of ``rank`` might use, least lost first. Built once per (rank, mode)
+        per cycle, so a single-victim plan is found in the first few entries instead of a scan
+        of every node."""
+        key = (rank, time_sharing)
+        got = self._singles.get(key)
+        if got is None:
+            got = []
+            jobs, ranks, min_ok, q_ok, lost, holders = self.jobs, self.rank, self.min_ok, self.quantum_ok, self.lost, self.holders
+            for i in self.members:
+                if not min_ok[i]:
+                    continue
+                r = ranks[i]
+                if r < rank or (time_sharing and r == rank and q_ok[i]):
+                    jid = jobs[i].id
+                    for o in self.nodes_of[i]:
+                        for hi, g in holders[o]:
+                            if hi == i:
+                                got.append((lost[i], g, o, jid, i))
+            got.sort()
+            self._singles[key] = got
+        return got
+
+    def zones_for(self, rank: int, time_sharing: bool, index: FreeIndex):
+        """Per zone: (nodes holding no indexed job, [(node, victims that would free it)]) where
+        every job on the node may be a victim of a waiting job of ``rank`` (ignoring the live
+        facts: victims chosen in this cycle, the same-user rule, reservations)."""
+        key = (rank, time_sharing)
+        got = self._zones.get(key)
+        if got is not None:
+            return got
+        ranks, min_ok, q_ok, holders = self.rank, self.min_ok, self.quantum_ok, self.holders
+        pending = self.pending_mark
+        got = []
+        start = 0
+        for z in range(len(index.zones)):
+            size = index.zone_size[z]
+            nomember: list[int] = []
+            cands: list[tuple[int, tuple[int, ...]]] = []
+            for o in range(start, start + size):
+                hs = holders[o]
+                if not hs:
+                    nomember.append(o)
+                    continue
+                ok = True
+                for i, _g in hs:
+                    if pending[i] or not min_ok[i]:
+                        ok = False
+                        break
+                    r = ranks[i]
+                    if not (r < rank or (time_sharing and r == rank and q_ok[i])):
+                        ok = False
+                        break
+                if ok:
+                    cands.append((o, tuple(i for i, _g in hs)))
+            got.append((nomember, cands))
+            start += size
+        self._zones[key] = got
+        return got
 
     def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
         ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
@@ -158,8 +226,25 @@ def plan_single(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
+    singles: list[tuple[float, int, int, int, int]] | None = None,
 ) -> Plan | None:
     """One node with ``gpus`` GPUs for the waiting job."""
+    scan: Sequence[NodeSlot] = index.slots
+    if singles is not None and not pending:
+        # the fewest victims is one whenever one victim suffices: take the one losing least
+        slots = index.slots
+        acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
+        for lost_v, g, o, _jid, i in singles:
+            slot = slots[o]
+            if slot.gpus < gpus or not eligible(i):
+                continue
+            if len(slot.free) + g >= gpus and usable(slot):
+                return Plan([i], [slot], 1, lost_v, 1)
+            acc[o] = acc.get(o, 0) + g
+        # several victims on one node: only nodes where all eligible victims together suffice
+        scan = [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]
+        if not scan:
+            return None
     pend_gpus: dict[int, int] = {}
     pend_jobs: dict[int, list[int]] = {}
     for i in pending:
@@ -171,7 +256,7 @@ def plan_single(
     best_key: tuple | None = None
     best: tuple[NodeSlot, list[int], float] | None = None
     holders, lost, jobs = table.holders, table.lost, table.jobs
-    for slot in index.slots:
+    for slot in scan:
         if slot.gpus < gpus:
             continue
         have = len(slot.free) + pend_gpus.get(slot.ord, 0)
@@ -215,9 +300,15 @@ def plan_multi(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
+    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...]]]]] | None = None,
+    same_user: Callable[[int], bool] | None = None,
 ) -> Plan | None:
-    """``nodes`` whole nodes in one zone for the waiting job."""
+    """``nodes`` whole nodes in one zone for the waiting job. ``fast``: the per-cycle zone
+    classification of ``RunningTable.zones_for`` (only for a job with nothing suspending for it);
+    ``same_user``: in time-sharing, tells a victim of the waiting job's own user at its rank."""
     pend = set(pending)  # membership only
+    if pending:
+        fast = None
     holders, lost, jobs = table.holders, table.lost, table.jobs
     best_key: tuple | None = None
     best_plan: Plan | None = None
@@ -231,34 +322,55 @@ def plan_multi(
         free_now: list[int] = []  # ords free for J without new victims
         need_of: dict[int, list[int]] = {}
         waits_of: dict[int, list[int]] = {}
-        for slot in zone_slots:
-            if slot.gpus < gpus_per_node:
-                continue
-            hs = holders[slot.ord]
-            if not hs:
-                if len(slot.free) == slot.gpus and usable(slot):
-                    free_now.append(slot.ord)
-                continue
-            if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
-                continue  # GPUs held by something the snapshot does not show: cannot be freed
-            needed: list[int] = []
-            waits: list[int] = []
-            ok = True
-            for i, _g in hs:
-                if i in pend:
-                    waits.append(i)
-                elif eligible(i):
-                    needed.append(i)
+        if fast is not None:
+            # from the per-cycle classification: only live facts are checked here (GPUs taken
+            # by starts in this cycle, victims already chosen, reservations, the user rule)
+            nomember, cands = fast[z]
+            slots = index.slots
+            for o in nomember:
+                slot = slots[o]
+                if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
+                    free_now.append(o)
+            held, chosen_l = table.held, table.chosen
+            for o, blockers in cands:
+                slot = slots[o]
+                if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
+                    continue
+                for i in blockers:
+                    if chosen_l[i] or (same_user is not None and same_user(i)):
+                        break
                 else:
-                    ok = False
-                    break
-            if not ok or not usable(slot):
-                continue
-            if needed:
-                need_of[slot.ord] = needed
-            else:
-                free_now.append(slot.ord)
-            waits_of[slot.ord] = waits
+                    if usable(slot):
+                        need_of[o] = list(blockers)
+        else:
+            for slot in zone_slots:
+                if slot.gpus < gpus_per_node:
+                    continue
+                hs = holders[slot.ord]
+                if not hs:
+                    if len(slot.free) == slot.gpus and usable(slot):
+                        free_now.append(slot.ord)
+                    continue
+                if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
+                    continue  # GPUs held by something the snapshot does not show: cannot be freed
+                needed: list[int] = []
+                waits: list[int] = []
+                ok = True
+                for i, _g in hs:
+                    if i in pend:
+                        waits.append(i)
+                    elif eligible(i):
+                        needed.append(i)
+                    else:
+                        ok = False
+                        break
+                if not ok or not usable(slot):
+                    continue
+                if needed:
+                    need_of[slot.ord] = needed
+                else:
+                    free_now.append(slot.ord)
+                waits_of[slot.ord] = waits
         if len(free_now) + len(need_of) < nodes:
             continue
         # leaf potential: how many nodes of the leaf could be freed for J (static per plan)

@@ -34,10 +34,12 @@ class QuotaBook:
         self.enabled = bool(self.group_limit or self.user_limit)
         self.group_used: dict[tuple[str, int], int] = {}
         self.user_used: dict[tuple[str, int, str], int] = {}
+        self._memo: dict[tuple, str | None] = {}  # answers since the last charge
 
     def charge(self, group: str, rank: int, user: str, gpus: int) -> None:
         if not self.enabled:
             return
+        self._memo.clear()
         key = (group, rank)
         self.group_used[key] = self.group_used.get(key, 0) + gpus
         ukey = (group, rank, user)
@@ -47,6 +49,15 @@ class QuotaBook:
         """None when the job may start within its quotas; else why not, in words."""
         if not self.enabled:
             return None
+        memo_key = (job.group, job.user, id(job.priority), job.nodes * job.gpus_per_node)
+        try:
+            return self._memo[memo_key]
+        except KeyError:
+            pass
+        got = self._memo[memo_key] = self._blocked(job)
+        return got
+
+    def _blocked(self, job: QueuedJob) -> str | None:
         rank = job.priority.rank
         need = job.gpu_count
         pname = job.priority.value

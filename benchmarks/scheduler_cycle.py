@@ -1,0 +1,169 @@
+"""One scheduling cycle at Fire-Flyer scale, and a burst of small jobs into an empty cluster.
+
+    python benchmarks/scheduler_cycle.py --nodes 1250 --running 2000 --queued 10000 --json
+
+Builds a Fire-Flyer topology (two zones, leaves of 20 nodes, 8 GPUs a node), packs ``--running``
+jobs onto it with the scheduler itself (a realistic, nearly full cluster: mixed shapes and
+priorities, some past their minimum runtime or quantum, checkpoints of various ages, group
+quotas), queues ``--queued`` jobs (mixed shapes, priorities, users, waiting times), then times
+``schedule(snapshot, policy, now)`` ``--repeat`` times. The snapshot is pure input, so every
+repetition does the full cycle: demotions, placement, preemption planning (up to the per-cycle
+cap), time-sharing, and a pending reason for every job that waits.
+
+Also times placing ``--burst`` (5,000) newly submitted 1-GPU jobs into an empty cluster of the
+same size (10,000 GPUs at 1,250 nodes). Prints ``median_ms``, ``p99_ms``, ``peak_rss_mb`` and
+the burst numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
+
+from hai.domain.jobs import JobState, Priority  # noqa: E402
+from hai.domain.scheduler import NodeView, Policy, QueuedJob, Quota, RunningJob, Snapshot, schedule  # noqa: E402
+from hai.domain.topology import fire_flyer  # noqa: E402
+
+HOUR = 3600.0
+NOW = 1_000_000_000.0
+# (nodes, gpus per node), weight: mostly small jobs, some whole nodes, a few large gangs
+# (running: ~4.4 GPUs a job, so 2,000 jobs fill ~88% of 10,000 GPUs)
+RUNNING_SHAPES = [((1, 1), 40), ((1, 2), 15), ((1, 4), 20), ((1, 8), 18), ((2, 8), 5), ((4, 8), 2)]
+SHAPES = [((1, 1), 30), ((1, 2), 10), ((1, 4), 12), ((1, 8), 25), ((2, 8), 10), ((4, 8), 8), ((8, 8), 4), ((16, 8), 1)]
+PRIOS = [(Priority.LOW, 20), (Priority.NORMAL, 55), (Priority.ABOVE_NORMAL, 5), (Priority.HIGH, 15), (Priority.VERY_HIGH, 5)]
+
+
+def _pick(rng: random.Random, table):
+    items, weights = zip(*table)
+    return rng.choices(items, weights)[0]
+
+
+def _empty_nodes(n: int) -> tuple[NodeView, ...]:
+    return tuple(NodeView(t.name, t.zone, t.leaf, t.gpus, tuple(range(t.gpus))) for t in fire_flyer(nodes=n))
+
+
+def build_snapshot(nodes: int, running: int, queued: int, seed: int) -> Snapshot:
+    rng = random.Random(seed)
+    users = [f"user{i:03d}" for i in range(200)]
+    groups = [f"group{i:02d}" for i in range(20)]
+    group_of = {u: groups[i % len(groups)] for i, u in enumerate(users)}
+    views = _empty_nodes(nodes)
+
+    # pack the running jobs with the scheduler itself (so their placement is realistic)
+    want = []
+    for i in range(running):
+        (n, g), p, u = _pick(rng, RUNNING_SHAPES), _pick(rng, PRIOS), rng.choice(users)
+        want.append(QueuedJob(i + 1, u, group_of[u], p, n, g, NOW - 20 * HOUR + i, NOW - 20 * HOUR + i))
+    packed = schedule(Snapshot(views, queued=tuple(want)), Policy(preemption=False, time_sharing=False), NOW)
+    held: dict[str, set[int]] = {}
+    run_jobs = []
+    by_id = {q.id: q for q in want}
+    for st in packed.starts:
+        q = by_id[st.job_id]
+        started = NOW - rng.uniform(60, 10 * HOUR)
+        ckpt = started + rng.uniform(0, NOW - started) if rng.random() < 0.8 else None
+        for a in st.allocations:
+            held.setdefault(a.node, set()).update(a.gpus)
+        run_jobs.append(
+            RunningJob(
+                id=q.id,
+                user=q.user,
+                group=q.group,
+                priority=q.priority,
+                nodes=q.nodes,
+                gpus_per_node=q.gpus_per_node,
+                allocations=st.allocations,
+                state=JobState.SUSPENDING if rng.random() < 0.01 else JobState.RUNNING,
+                started_at=started,
+                first_submitted_at=started - rng.uniform(0, 5 * HOUR),
+                submitted_priority=q.priority,
+                last_checkpoint_at=ckpt,
+            )
+        )
+    node_views = tuple(
+        NodeView(v.name, v.zone, v.leaf, v.gpus, tuple(g for g in range(v.gpus) if g not in held.get(v.name, ())))
+        for v in views
+    )
+    # a few drained / unhealthy nodes
+    node_views = tuple(
+        NodeView(v.name, v.zone, v.leaf, v.gpus, v.free_gpus, schedulable=rng.random() > 0.01) for v in node_views
+    )
+    queue = []
+    for i in range(queued):
+        (n, g), p, u = _pick(rng, SHAPES), _pick(rng, PRIOS), rng.choice(users)
+        sub = NOW - rng.uniform(0, 6 * HOUR)
+        queue.append(QueuedJob(100_000 + i, u, group_of[u], p, n, g, sub - rng.uniform(0, HOUR), sub))
+    quotas = [Quota(gr, p, 800) for gr in groups for p in (Priority.HIGH, Priority.VERY_HIGH)]
+    quotas += [Quota(gr, Priority.NORMAL, 2000) for gr in groups]
+    usage = {u: rng.uniform(0, 5e5) for u in users}
+    return Snapshot(node_views, tuple(run_jobs), tuple(queue), tuple(quotas), usage)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1250)
+    ap.add_argument("--running", type=int, default=2000)
+    ap.add_argument("--queued", type=int, default=10000)
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--burst", type=int, default=5000, help="1-GPU jobs placed into an empty cluster")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    snap = build_snapshot(args.nodes, args.running, args.queued, args.seed)
+    policy = Policy()
+    times = []
+    d = None
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        d = schedule(snap, policy, NOW)
+        times.append((time.perf_counter() - t0) * 1000)
+    assert d is not None
+    times.sort()
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+
+    empty = Snapshot(
+        _empty_nodes(args.nodes),
+        queued=tuple(QueuedJob(i + 1, f"u{i % 97}", "g", Priority.NORMAL, 1, 1, NOW + i, NOW + i) for i in range(args.burst)),
+    )
+    burst_times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        bd = schedule(empty, policy, NOW + args.burst)
+        burst_times.append((time.perf_counter() - t0) * 1000)
+
+    out = {
+        "nodes": args.nodes,
+        "gpus": sum(v.gpus for v in snap.nodes),
+        "running": len(snap.running),
+        "running_gpus": sum(r.gpu_count for r in snap.running),
+        "queued": len(snap.queued),
+        "repeat": args.repeat,
+        "median_ms": round(statistics.median(times), 2),
+        "p99_ms": round(p99, 2),
+        "starts": len(d.starts),
+        "suspends": len(d.suspends),
+        "demotions": len(d.demotions),
+        "pending_reasons": len(d.pending_reasons),
+        "burst_jobs": args.burst,
+        "burst_started": len(bd.starts),
+        "burst_ms": round(statistics.median(burst_times), 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>16}  {v}")
+
+
+if __name__ == "__main__":
+    main()
