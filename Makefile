@@ -35,8 +35,8 @@ openapi: $(STAMP)
 	cd frontend && npm run gen:api
 
 test: $(STAMP) $(DIST)
-	eval "$$(scripts/test-services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 	cd frontend && npm test
+	eval "$$(scripts/test-services.sh)" && $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
