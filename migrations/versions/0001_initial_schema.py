@@ -36,6 +36,7 @@ def upgrade() -> None:
     sa.Column('registered_at', hai.db.base.UTCDateTime(timezone=True), nullable=False),
     sa.Column('last_heartbeat_at', hai.db.base.UTCDateTime(timezone=True), nullable=True),
     sa.Column('state_reason', sa.String(length=512), nullable=False),
+    sa.Column('labels_from_topology', sa.Boolean(), nullable=False),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_nodes')),
     sa.UniqueConstraint('name', name=op.f('uq_nodes_name'))
     )

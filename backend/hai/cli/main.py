@@ -189,18 +189,10 @@ def create_agent_token(
     platform.close()
 
 
-def _register_sim() -> None:
-    try:
-        from hai.cli import sim as sim_cli
-    except ImportError:  # the simulator module is optional while it is being built
-        return
-    if hasattr(sim_cli, "topology_app"):
-        app.add_typer(sim_cli.topology_app, name="topology")
-    if hasattr(sim_cli, "sim"):
-        app.command("sim")(sim_cli.sim)
+from hai.cli import sim as sim_cli  # noqa: E402
 
-
-_register_sim()
+app.add_typer(sim_cli.topology_app, name="topology")
+app.command("sim")(sim_cli.sim)
 
 
 def main() -> None:  # pragma: no cover

@@ -50,10 +50,11 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     if node is None:
         node = Node(name=hello.node, registered_at=now)
         session.add(node)
-    if hello.zone:
-        node.zone = hello.zone
-    if hello.leaf:
-        node.leaf = hello.leaf
+    if not node.labels_from_topology:
+        if hello.zone:
+            node.zone = hello.zone
+        if hello.leaf:
+            node.leaf = hello.leaf
     node.zone = node.zone or "default"
     node.leaf = node.leaf or "default"
     node.gpus = len(hello.gpus)

@@ -50,7 +50,8 @@ def load_topology(*, session: Session, path: Path) -> int:
             session.add(node)
         node.zone = row["zone"]
         node.leaf = row["leaf"]
-        if node.gpus == 0:
+        node.labels_from_topology = True
+        if not node.gpus:
             node.gpus = int(row["gpus"])
     session.commit()
     return len(rows)

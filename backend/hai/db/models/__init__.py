@@ -59,6 +59,8 @@ class Node(Base):
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     state_reason: Mapped[str] = mapped_column(String(512), default="")
+    # zone/leaf came from a topology file (`--topology`): they win over the agent's labels
+    labels_from_topology: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class Job(Base):
