@@ -138,6 +138,7 @@ def _launch_spec(job: Job, alloc: JobAllocation, settings: Settings) -> LaunchSp
         suspend_grace_s=job.suspend_grace_s,
         log_watchdog_s=job.log_watchdog_s,
         max_runtime_s=job.max_runtime_s,
+        stop_grace_s=settings.agent.stop_grace_s,
     )
 
 

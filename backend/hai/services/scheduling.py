@@ -86,52 +86,47 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
     running: list[sched.RunningJob] = []
     queued: list[sched.QueuedJob] = []
     for j in jobs:
+        common = dict(
+            id=j.id,
+            user=j.user_name,
+            group=j.group,
+            priority=Priority(j.priority),
+            submitted_priority=Priority(j.submitted_priority),
+            nodes=j.nodes,
+            gpus_per_node=j.gpus_per_node,
+            first_submitted_at=j.created_at.timestamp(),
+            allow_cross_zone=j.allow_cross_zone,
+        )
         if j.state == JobState.QUEUED.value:
-            if j.user_suspended:
-                continue
-            queued.append(
-                sched.QueuedJob(
-                    id=j.id,
-                    user=j.user_name,
-                    group=j.group,
-                    priority=Priority(j.priority),
-                    submitted_priority=Priority(j.submitted_priority),
-                    nodes=j.nodes,
-                    gpus_per_node=j.gpus_per_node,
-                    first_submitted_at=j.created_at.timestamp(),
-                    queued_at=j.queued_at.timestamp(),
-                    allow_cross_zone=j.allow_cross_zone,
-                    suspensions=j.suspensions,
-                    reserved_nodes=tuple(j.reserved_nodes or ()),
+            if not j.user_suspended:
+                queued.append(
+                    sched.QueuedJob(
+                        **common,
+                        queued_at=j.queued_at.timestamp(),
+                        suspensions=j.suspensions,
+                        reserved_nodes=tuple(j.reserved_nodes or ()),
+                    )
                 )
+            continue
+        ckpt = j.last_checkpoint or {}
+        attempt_start = (j.attempt_started_at or now).timestamp()
+        ckpt_at = ckpt.get("at")
+        running.append(
+            sched.RunningJob(
+                **common,
+                allocations=tuple(
+                    sched.Allocation(a.node_name, _positions(indices.get(a.node_name, []), a.gpus))
+                    for a in j.allocations
+                    if a.active and a.attempt == j.attempt
+                ),
+                state=JobState(j.state),
+                started_at=attempt_start,
+                # only a checkpoint of this attempt bounds the work a suspension would lose
+                last_checkpoint_at=ckpt_at if ckpt_at and ckpt_at >= attempt_start else None,
+                checkpoint_duration_s=ckpt.get("duration_s"),
+                suspend_requested_for=j.suspend_for_job_id,
             )
-        else:
-            ckpt = j.last_checkpoint or {}
-            attempt_start = j.attempt_started_at or now
-            ckpt_at = ckpt.get("at")
-            running.append(
-                sched.RunningJob(
-                    id=j.id,
-                    user=j.user_name,
-                    group=j.group,
-                    priority=Priority(j.priority),
-                    submitted_priority=Priority(j.submitted_priority),
-                    nodes=j.nodes,
-                    gpus_per_node=j.gpus_per_node,
-                    allocations=tuple(
-                        sched.Allocation(a.node_name, _positions(indices.get(a.node_name, []), a.gpus))
-                        for a in j.allocations
-                        if a.active and a.attempt == j.attempt
-                    ),
-                    state=JobState(j.state),
-                    started_at=attempt_start.timestamp(),
-                    first_submitted_at=j.created_at.timestamp(),
-                    last_checkpoint_at=ckpt_at if ckpt_at and ckpt_at >= attempt_start.timestamp() else None,
-                    checkpoint_duration_s=ckpt.get("duration_s"),
-                    allow_cross_zone=j.allow_cross_zone,
-                    suspend_requested_for=j.suspend_for_job_id,
-                )
-            )
+        )
     quotas = tuple(
         sched.Quota(group=q.group, priority=Priority(q.priority), gpus=q.gpus, user=q.user_name)
         for q in session.scalars(select(Quota).order_by(Quota.id))
