@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from hai.api import agent, errors, health, jobs, nodes, users
+from hai.api import agent, errors, health, jobs, metrics, nodes, users
 from hai.services.context import Platform
 from hai.settings import Settings, get_settings
 
@@ -38,7 +38,7 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     )
     app.state.platform = platform
     errors.install(app)
-    for module in (health, jobs, nodes, users, agent):
+    for module in (health, jobs, nodes, users, agent, metrics):
         app.include_router(module.router)
 
     dist = (platform.settings if platform else (settings or get_settings())).frontend_dist or default_frontend_dist()
