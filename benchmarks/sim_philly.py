@@ -31,6 +31,7 @@ from hai.domain.topology import fire_flyer  # noqa: E402
 from hai.sim.engine import SimConfig, Simulation  # noqa: E402
 from hai.sim.fifo import FifoScheduler  # noqa: E402
 from hai.sim.trace import parse_trace  # noqa: E402
+from hai.settings import get_settings  # noqa: E402
 
 COLUMNS = [
     "avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "gpu_utilization", "useful_gpu_utilization",
@@ -57,7 +58,8 @@ def main() -> None:
     rows = {}
     for name in args.policies.split(","):
         scheduler = schedule if name == "hai" else FifoScheduler(seed=0)
-        sim = Simulation(topo, jobs, policy=policy, scheduler=scheduler, policy_name=name, config=SimConfig())
+        config = SimConfig(cycle_interval_s=get_settings().scheduler.interval_s)
+        sim = Simulation(topo, jobs, policy=policy, scheduler=scheduler, policy_name=name, config=config)
         t0 = time.perf_counter()
         m = sim.run().metrics
         m["wall_s"] = round(time.perf_counter() - t0, 1)

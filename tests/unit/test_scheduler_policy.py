@@ -220,6 +220,19 @@ def test_owner_starts_on_its_reserved_nodes_once_free_and_the_reservation_ends()
     assert d.reservations == {}
 
 
+def test_capacity_a_reservation_gives_back_mid_cycle_goes_to_earlier_jobs_in_the_same_cycle():
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
+    c.run(job("busy").gpus(7).priority("EXTREME_HIGH").on("A-l0-n1").started(NOW))
+    c.queue(
+        job("early").gpus(8).submitted(1),  # A-l0-n0 is reserved for "late" when its turn comes
+        job("late").gpus(1).reserved("A-l0-n0").submitted(2),  # best fit: the partly used A-l0-n1
+    )
+    d = schedule(c.snapshot(), policy(), NOW)
+    assert nodes_of(d, c.id_of("late")) == ["A-l0-n1"]
+    assert nodes_of(d, c.id_of("early")) == ["A-l0-n0"]  # the node "late" no longer needed
+    assert d.reservations == {} and d.pending_reasons == {}
+
+
 def test_reservation_of_a_quota_blocked_job_is_dropped():
     c = cluster().zone("A", leaves=1, nodes_per_leaf=1)
     c.quota("g", "HIGH", 0)

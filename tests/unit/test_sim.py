@@ -133,6 +133,16 @@ def test_time_sharing_in_the_simulator():
     assert r[1]["end_s"] == pytest.approx(3710 + 30 + 16_400, abs=1e-3)
 
 
+@pytest.mark.parametrize("interval, starts", [(1.0, [1.0, 1.0]), (0.0, [0.3, 0.7])])
+def test_cycles_run_on_the_scheduler_interval_grid(interval, starts):
+    jobs = [TraceJob(1, 0.3, 10.0, 1, 1, 1, Priority.NORMAL, "u", "g"), TraceJob(2, 0.7, 10.0, 1, 1, 1, Priority.NORMAL, "u", "g")]
+    s = Simulation(one_node(), jobs, policy=Policy(), config=SimConfig(cycle_interval_s=interval))
+    m = s.run().metrics
+    assert [r["first_start_s"] for r in s.job_results().values()] == starts
+    assert [r["end_s"] for r in s.job_results().values()] == [x + 10.0 for x in starts]
+    assert m["cycles"] == (1 if interval else 2)
+
+
 def test_jobs_that_can_never_fit_are_rejected_not_queued_forever():
     s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=2), [tj(1, 0, 10, gpus=24), tj(2, 0, 10)], policy=Policy())
     m = s.run().metrics
@@ -147,6 +157,41 @@ def test_metrics_have_every_key_the_issue_lists():
     assert m["multi_node_jobs"] == 10
     assert m["min_leaves_ratio"] == 1.0
     assert m["cross_zone_jobs"] == 0 and m["double_allocations"] == 0 and m["quota_violations"] == 0
+
+
+def test_skipping_idle_cycles_changes_no_decision():
+    """The simulator skips cycles that cannot decide anything new (arrivals on a full cluster,
+    ends nobody fits, wake-ups whose rule cannot fire): the same replay with a cycle after
+    every event must give exactly the same result."""
+    import random
+
+    rng = random.Random(5)
+    jobs = []
+    for i in range(1, 160):
+        jobs.append(
+            tj(
+                i,
+                rng.randint(0, 40_000),
+                rng.choice([60, 600, 3000, 9000, 30_000]),
+                gpus=rng.choice([1, 1, 2, 4, 8, 16]),
+                prio=rng.choice(["LOW", "NORMAL", "NORMAL", "ABOVE_NORMAL", "HIGH"]),
+                user=rng.choice("abcd"),
+            )
+        )
+    jobs.sort(key=lambda j: (j.submit_s, j.id))
+    topo = fire_flyer(nodes=6, zones=2, nodes_per_leaf=2)
+    pol = Policy(quantum_s=3600, wait_threshold_s=600, min_runtime_s=300, demote_after_s=900)
+    results = []
+    for skip in (False, True):
+        s = Simulation(topo, jobs, policy=pol)
+        s.skip_idle_cycles = skip
+        m = s.run().metrics
+        results.append((m, s.job_results()))
+    (m0, r0), (m1, r1) = results
+    assert m1["cycles"] < m0["cycles"]
+    assert {k: v for k, v in m0.items() if k != "cycles"} == {k: v for k, v in m1.items() if k != "cycles"}
+    assert r0 == r1
+    assert m0["preemptions"] > 0 and m0["completed"] == len(jobs)
 
 
 def test_the_simulation_is_deterministic():

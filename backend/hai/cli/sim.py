@@ -152,6 +152,9 @@ def sim(
     except TraceError as exc:
         _fail(f"{trace}: {exc}")
     pol = policy_from_settings()
+    from hai.settings import get_settings
+
+    interval = get_settings().scheduler.interval_s
     if policy == "fifo":
         scheduler = FifoScheduler(seed=0)
     else:
@@ -162,7 +165,7 @@ def sim(
         policy=pol,
         scheduler=scheduler,
         policy_name=policy,
-        config=SimConfig(checkpoint_interval_s, checkpoint_cost_s, restart_cost_s),
+        config=SimConfig(checkpoint_interval_s, checkpoint_cost_s, restart_cost_s, cycle_interval_s=interval),
     )
     started = time.perf_counter()
     result = engine.run()

@@ -47,7 +47,7 @@ Scheduler = Callable[[Snapshot, Policy, float], Decisions]
 _ARRIVE, _RELEASE, _FINISH = 0, 1, 2
 # wake-ups: times at which a time-based rule can change the scheduler's mind
 _W_QUANTUM, _W_THRESHOLD, _W_MINRT, _W_DEMOTE, _W_CYCLE = 3, 4, 5, 6, 7
-_EPS = 1e-6  # wake-ups land just after a threshold, so float rounding cannot make a rule miss it
+_EPS = 1e-6  # (event-driven mode) wake-ups land just after a threshold: float rounding cannot hide it
 _PENDING, _QUEUED, _RUNNING, _SUSPENDING, _DONE, _REJECTED = range(6)
 
 
@@ -56,6 +56,9 @@ class SimConfig:
     checkpoint_interval_s: float = 300.0
     checkpoint_cost_s: float = 10.0
     restart_cost_s: float = 30.0
+    # cycles run on this grid, like the live loop (HAI_SCHEDULER__INTERVAL_S): everything that
+    # happened in (T - interval, T] is decided at T. 0: a cycle at the exact time of each event.
+    cycle_interval_s: float = 1.0
 
 
 class _Job:
@@ -119,12 +122,16 @@ class Simulation:
     ):
         if config.checkpoint_interval_s <= 0:
             raise ValueError("checkpoint interval must be > 0")
+        self.grid = max(0.0, config.cycle_interval_s)
+        self.eps = 0.0 if self.grid > 0 else _EPS
         self.policy = policy
         self.scheduler = scheduler
         self.policy_name = policy_name
         self.cfg = config
         self.quotas = tuple(quotas)
-        self.every_wake = False  # True: a cycle at every wake-up (to check that skipping them changes nothing)
+        # skip cycles that cannot decide anything new (False: a cycle after every event, to
+        # check that skipping changes no decision)
+        self.skip_idle_cycles = True
         self.nodes = list(topology)
         self.node_ix = {n.name: i for i, n in enumerate(self.nodes)}
         self.free: list[list[int]] = [list(range(n.gpus)) for n in self.nodes]
@@ -147,12 +154,15 @@ class Simulation:
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.max_rank = max((t.priority.rank for t in jobs), default=0)
+        self.min_rank = min((t.priority.rank for t in jobs), default=0)
+        self.stale: dict[int, int] = {}  # running job id -> attempt whose checkpoint view lags
         # who could time-share right now: queued jobs past the wait threshold and running jobs past
         # the quantum, by (rank, user); used to skip wake-ups at which no rule can fire
         self.ready: dict[int, dict[str, int]] = {}
         self.expired: dict[int, dict[str, int]] = {}
         self.queued_by_rank: dict[int, int] = {}
         self.running_by_rank: dict[int, int] = {}
+        self.queued_shapes: dict[tuple[int, int], int] = {}  # (nodes, GPUs a node) -> queued jobs
         # usage per user: decayed GPU-seconds, updated when a user's GPU count changes
         self.half_life = policy.usage_half_life_s
         self.lam = math.log(2) / self.half_life if self.half_life > 0 else 0.0
@@ -221,12 +231,56 @@ class Simulation:
             self._count(self.expired, j.expired_rank, j.t.user, -1)
             j.expired_rank = None
 
+    def _some_queued_job_fits(self) -> bool:
+        """Could any queued job start on the free GPUs (reserved ones included)? A necessary
+        condition for a cycle after an end to start anything: ends free GPUs, they add no
+        victims, so when no queued shape fits, that cycle's decisions would be the last one's."""
+        if not self.queue:
+            return False
+        min_g = min_k = None
+        for (nodes, g), n in self.queued_shapes.items():
+            if n <= 0:
+                continue
+            if nodes == 1:
+                if min_g is None or g < min_g:
+                    min_g = g
+            elif min_k is None or nodes < min_k:
+                min_k = nodes
+        if min_g is not None and any(len(f) >= min_g for f in self.free):
+            return True
+        if min_k is not None and any(sum(leaves.values()) >= min_k for leaves in self.zone_leaf_idle.values()):
+            return True
+        return False
+
+    def _preemption_possible(self) -> bool:
+        """Could some queued job preempt now (time-sharing pairs: a waiter past the threshold and
+        another user's job past the quantum at its priority; or any lower-priority job running)?"""
+        if not self.policy.preemption:
+            return False
+        for rank, ready in self.ready.items():
+            exp = self.expired.get(rank)
+            if not exp or exp.get("\x00total", 0) <= 0:
+                continue
+            for user, n in ready.items():
+                if n > 0 and user != "\x00total" and exp["\x00total"] - exp.get(user, 0) > 0:
+                    return True
+        if self.max_rank != self.min_rank:
+            low = min((r for r, n in self.running_by_rank.items() if n > 0), default=None)
+            if low is not None and any(n > 0 and r > low for r, n in self.queued_by_rank.items()):
+                return True
+        return False
+
     def _arrival_can_act(self, j: _Job) -> bool:
         """Can a cycle now do anything because this job arrived? Arrivals free nothing, so only
         if it could start on free GPUs or preempt; if neither holds (the common case on a full
         cluster), the cycle is skipped: its decisions would equal the last cycle's."""
         pol = self.policy
         rank = j.priority.rank
+        if getattr(self.scheduler, "strict_order", False) and not self.quotas:
+            # jobs start in queue order only: the newcomer matters only as the new head
+            # (priority first, then first submission: it is the latest of its priority)
+            if self.queued_by_rank.get(rank, 0) > 1 or any(n > 0 and r > rank for r, n in self.queued_by_rank.items()):
+                return False
         if pol.preemption:
             if any(n > 0 and r < rank for r, n in self.running_by_rank.items()):
                 return True
@@ -285,33 +339,38 @@ class Simulation:
         self._qview(j, ())
         r = j.priority.rank
         self.queued_by_rank[r] = self.queued_by_rank.get(r, 0) + 1
+        shape = (j.t.nodes, j.t.gpus_per_node)
+        self.queued_shapes[shape] = self.queued_shapes.get(shape, 0) + 1
         if self.policy.time_sharing and self.policy.preemption:
-            self._push(t + self.policy.wait_threshold_s + _EPS, _W_THRESHOLD, j.t.id, j.attempt)
+            self._push(t + self.policy.wait_threshold_s + self.eps, _W_THRESHOLD, j.t.id, j.attempt)
 
     # -- events --------------------------------------------------------------------------------
-    def _handle(self, kind: int, job_id: int, attempt: int, t: float) -> bool:
+    def _handle(self, kind: int, job_id: int, attempt: int, t: float) -> bool | None:
+        """Apply one event. True: a cycle now may decide something new; False: it cannot (its
+        decisions would be the last cycle's); None: a stale event (nothing happened)."""
         if kind == _W_CYCLE:
-            return bool(self.queue)
+            return True
         j = self.jobs[job_id]
         if kind == _ARRIVE:
             if not self._fits_ever(j.t):
                 j.state = _REJECTED
                 self.rejected += 1
-                return False
+                return None
             self._enqueue(j, t)
             return self._arrival_can_act(j)
         if kind == _FINISH:
             if j.attempt != attempt or j.state not in (_RUNNING, _SUSPENDING):
-                return False
+                return None
             self._release_gpus(j)
             self._unexpire(j)
             del self.running[job_id]
             j.state = _DONE
             j.end = t
-            return True
+            # freed GPUs matter if a queued job fits them, or if they complete a preemption plan
+            return self._some_queued_job_fits() or self._preemption_possible()
         if kind == _RELEASE:
             if j.attempt != attempt or j.state != _SUSPENDING:
-                return False
+                return None
             self._release_gpus(j)
             del self.running[job_id]
             j.suspensions += 1
@@ -319,27 +378,20 @@ class Simulation:
             self._enqueue(j, t)
             return True
         # a wake-up: worth a cycle only if the rule it stands for can fire now
-        if self.every_wake and kind in (_W_THRESHOLD, _W_QUANTUM):
-            if kind == _W_THRESHOLD and j.state == _QUEUED and j.attempt == attempt:
-                if j.ready_rank is None:
-                    j.ready_rank = j.priority.rank
-                    self._count(self.ready, j.ready_rank, j.t.user, 1)
-            elif kind == _W_QUANTUM and j.state == _RUNNING and j.attempt == attempt:
-                j.expired_rank = j.priority.rank
-                self._count(self.expired, j.expired_rank, j.t.user, 1)
-            return bool(self.queue)
         if kind == _W_THRESHOLD:
             if j.state != _QUEUED or j.attempt != attempt:
-                return False
+                return None
             j.ready_rank = j.priority.rank
             self._count(self.ready, j.ready_rank, j.t.user, 1)
             return self._others(self.expired, j.ready_rank, j.t.user) > 0
         if j.state != _RUNNING or j.attempt != attempt:
-            return False
+            return None
         if kind == _W_QUANTUM:
             j.expired_rank = j.priority.rank
+            if self.stale.pop(job_id, None) == attempt:
+                self._rview(j, t)
             self._count(self.expired, j.expired_rank, j.t.user, 1)
-            return bool(self.queue) and self._others(self.ready, j.expired_rank, j.t.user) > 0
+            return self._others(self.ready, j.expired_rank, j.t.user) > 0
         if kind == _W_MINRT:
             rank = j.priority.rank
             return any(n > 0 and r > rank for r, n in self.queued_by_rank.items())
@@ -406,11 +458,17 @@ class Simulation:
             self.dirty.clear()
         # refresh the last checkpoint of jobs that passed one since the last cycle
         ch = self.ckpt_heap
+        multi_prio = len([r for r, n in self.queued_by_rank.items() if n > 0]) > 1 or self.max_rank != self.min_rank
         while ch and ch[0][0] <= t:
             _at, jid, attempt = heapq.heappop(ch)
             j = self.jobs[jid]
             if j.attempt == attempt and j.state == _RUNNING:
-                self._rview(j, t)
+                if multi_prio or j.expired_rank is not None:
+                    self._rview(j, t)
+                else:
+                    # cannot be a victim now (a single priority, not past its quantum): its last
+                    # checkpoint is refreshed when it passes the quantum
+                    self.stale[jid] = attempt
         usage = {}
         for user, u in self.usage.items():
             self._usage_roll(u, t)
@@ -492,6 +550,7 @@ class Simulation:
             del self.queue[tj.id]
             del self.qviews[tj.id]
             self.queued_by_rank[j.priority.rank] -= 1
+            self.queued_shapes[(tj.nodes, tj.gpus_per_node)] -= 1
             if j.ready_rank is not None:
                 self._count(self.ready, j.ready_rank, tj.user, -1)
                 j.ready_rank = None
@@ -512,14 +571,14 @@ class Simulation:
             self._rview(j, t)
             self._push(j.progress_start + (tj.duration_s - j.work_done), _FINISH, tj.id, j.attempt)
             if pol.preemption and j.priority.rank < self.max_rank:
-                self._push(t + pol.min_runtime_s + _EPS, _W_MINRT, tj.id, j.attempt)
+                self._push(t + pol.min_runtime_s + self.eps, _W_MINRT, tj.id, j.attempt)
             if pol.time_sharing and pol.preemption:
-                self._push(t + max(pol.quantum_s, pol.min_runtime_s) + _EPS, _W_QUANTUM, tj.id, j.attempt)
+                self._push(t + max(pol.quantum_s, pol.min_runtime_s) + self.eps, _W_QUANTUM, tj.id, j.attempt)
             if j.priority == Priority.ABOVE_NORMAL:
-                self._push(t + pol.demote_after_s + _EPS, _W_DEMOTE, tj.id, j.attempt)
+                self._push(t + pol.demote_after_s + self.eps, _W_DEMOTE, tj.id, j.attempt)
         # the per-cycle preemption cap was reached: the live loop runs again a second later
         if len({s.for_job_id for s in d.suspends}) >= pol.max_preemptions_per_cycle and self.queue:
-            self._push(t + 1.0, _W_CYCLE, 0, 0)
+            self._push(t + max(self.grid, 1.0), _W_CYCLE, 0, 0)
         if quota is not None and quota.violations():
             self.quota_violations += len(quota.violations())
         new_res = {jid: nodes for jid, nodes in d.reservations.items() if jid in self.queue}
@@ -537,6 +596,7 @@ class Simulation:
         blocked: dict[str, int] = {}
         rank = j.priority.rank
         me = (-rank, j.t.submit_s, j.t.id)
+        mine = {a.node for a in allocs}  # what it got was evidently usable to it
         for owner in dict.fromkeys(list(before) + list(after)):
             if owner == j.t.id:
                 continue
@@ -546,6 +606,8 @@ class Simulation:
             ahead = (-oj.priority.rank, oj.t.submit_s, oj.t.id) < me
             names = after.get(owner, ()) if ahead else before.get(owner, ())
             for name in names:
+                if name in mine:
+                    continue
                 i = self.node_ix.get(name)
                 if i is not None and len(self.free[i]) == self.nodes[i].gpus:
                     node = self.nodes[i]
@@ -563,14 +625,20 @@ class Simulation:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> SimResult:
         heap = self.heap
+        grid = self.grid
         while heap:
-            t = heap[0][0]
-            self._advance(t)
+            first = heap[0][0]
+            t = math.ceil(first / grid) * grid if grid > 0 else first
+            if t < first:  # float rounding of the grid point
+                t = first
             worth = False
             while heap and heap[0][0] <= t:
-                _at, kind, _seq, job_id, attempt = heapq.heappop(heap)
-                if self._handle(kind, job_id, attempt, t):
+                at, kind, _seq, job_id, attempt = heapq.heappop(heap)
+                self._advance(at)
+                useful = self._handle(kind, job_id, attempt, at)
+                if useful or (useful is False and not self.skip_idle_cycles):
                     worth = True
+            self._advance(t)
             if worth and self.queue:
                 self.cycles += 1
                 snap = self._snapshot(t)

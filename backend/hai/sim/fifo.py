@@ -27,8 +27,17 @@ from hai.domain.scheduler.model import Allocation, Decisions, Policy, Snapshot, 
 from hai.domain.scheduler.quota import QuotaBook
 
 
+_BY_ID = attrgetter("id")
+_BY_SUBMIT = attrgetter("first_submitted_at")
+_PRIORITY = attrgetter("priority")
+
+
 class FifoScheduler:
     """Callable like ``hai.domain.scheduler.schedule``; holds its own seeded RNG."""
+
+    # jobs start strictly in queue order: a newly arrived job can only start if it is the new
+    # head of the queue (the simulator skips cycles that cannot change anything)
+    strict_order = True
 
     def __init__(self, seed: int = 0):
         self.rng = random.Random(seed)
@@ -42,8 +51,8 @@ class FifoScheduler:
         nodes = sorted((n for n in snapshot.nodes if n.schedulable), key=lambda n: n.name)
         free = {n.name: list(n.free_gpus) for n in nodes}
         size = {n.name: n.gpus for n in nodes}
-        queue = sorted(snapshot.queued, key=attrgetter("first_submitted_at", "id"))
-        if len({id(q.priority) for q in queue}) > 1:
+        queue = sorted(sorted(snapshot.queued, key=_BY_ID), key=_BY_SUBMIT)
+        if len(set(map(id, map(_PRIORITY, queue)))) > 1:
             queue.sort(key=lambda q: -q.priority.rank)  # stable: FIFO inside a priority
         for pos, job in enumerate(queue):
             blocked = quota.blocked(job)
@@ -66,7 +75,7 @@ class FifoScheduler:
                     for other in rest:
                         d.pending_reasons[other.id] = quota.blocked(other) or behind
                 else:
-                    d.pending_reasons.update(dict.fromkeys([q.id for q in rest], behind))
+                    d.pending_reasons.update(dict.fromkeys(map(_BY_ID, rest), behind))
                 break
             chosen = self.rng.sample(cands, job.nodes)
             allocs = []

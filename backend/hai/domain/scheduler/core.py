@@ -45,7 +45,9 @@ from hai.domain.scheduler.quota import QuotaBook
 
 _BY_RANK = list(Priority)
 _NORMAL_RANK = Priority.NORMAL.rank
-_RANK_BY_ID = {id(p): p.rank for p in Priority}  # identity lookup: enum hashing is slow in a hot loop
+_RANK_BY_ID = {id(p): p.rank for p in Priority}
+_BY_ID = attrgetter("id")
+_BY_SUBMIT = attrgetter("first_submitted_at")  # identity lookup: enum hashing is slow in a hot loop
 
 
 def _rank(p: Priority) -> int:
@@ -73,7 +75,8 @@ class _Cycle:
         d = self.decisions
 
         # the queue by priority (high first), FIFO by first submission inside a priority
-        fifo = sorted(snapshot.queued, key=attrgetter("first_submitted_at", "id"))
+        # (two stable sorts with plain keys: faster than one sort on tuples)
+        fifo = sorted(sorted(snapshot.queued, key=_BY_ID), key=_BY_SUBMIT)
         by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
         pids = [id(j.priority) for j in fifo]
         if fifo and pids.count(pids[0]) == len(pids):  # one priority: the common case
@@ -89,7 +92,8 @@ class _Cycle:
             by_level.setdefault(_rank(lst[0].priority), []).extend(lst)
         if len(by_prio) != len(by_level):  # the same priority as distinct objects: re-sort the merged levels
             for lst in by_level.values():
-                lst.sort(key=attrgetter("first_submitted_at", "id"))
+                lst.sort(key=_BY_ID)
+                lst.sort(key=_BY_SUBMIT)
         self.levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
         self.queue = fifo if len(self.levels) == 1 else [j for _, js in self.levels for j in js]
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
@@ -187,9 +191,7 @@ class _Cycle:
                 if mine:
                     self.owned[j.id] = mine
                     self.owner_rank[j.id] = j.priority.rank
-        for slot in self.index.slots:
-            if slot.name not in self.owner:
-                self.index.insert(slot)
+        self.index.fill(self.owner)
         # lowest priority among reservation owners (may be stale-low: only used to skip work)
         self.lowest_owner_rank = min(self.owner_rank.values(), default=None)
 
@@ -245,7 +247,7 @@ class _Cycle:
 
     def _could_preempt(self, job: QueuedJob, time_sharing: bool) -> bool:
         """Cheap test: is there any running job that could be a victim of this job?"""
-        rank = job.priority.rank
+        rank = _rank(job.priority)
         mpr = self.min_preemptible_rank
         if mpr is not None and mpr < rank:
             return True
@@ -311,7 +313,7 @@ class _Cycle:
     def _usable(self, job: QueuedJob):
         if not self.owner:
             return lambda slot: True
-        owner, owner_rank, jid, rank = self.owner, self.owner_rank, job.id, job.priority.rank
+        owner, owner_rank, jid, rank = self.owner, self.owner_rank, job.id, _rank(job.priority)
 
         def usable(slot: NodeSlot) -> bool:
             o = owner.get(slot.name)
@@ -400,7 +402,7 @@ class _Cycle:
                 self._release(name)
         self._drop_reservation(job)
         d.starts.append(Start(job.id, tuple(allocs), placement.reason))
-        self.quota.charge(job.group, job.priority.rank, job.user, job.gpu_count)
+        self.quota.charge(job.group, _rank(job.priority), job.user, job.gpu_count)
         if len({s.zone for s in placement.slots}) > 1:
             self._cross_running = True
 
@@ -410,7 +412,7 @@ class _Cycle:
         pending = self._pending_idx(job)
         own = job.id in self.owned
         cap_reached = self.plans_applied >= self.policy.max_preemptions_per_cycle
-        key = (job.nodes, job.gpus_per_node, job.priority.rank, time_sharing, job.user if time_sharing else "")
+        key = (job.nodes, job.gpus_per_node, _rank(job.priority), time_sharing, job.user if time_sharing else "")
         if not pending:
             if not self.policy.preemption or not self._could_preempt(job, time_sharing):
                 if not own:
@@ -422,7 +424,7 @@ class _Cycle:
                 return None, True  # victims may exist; the next cycle plans them
         table = self.table
         usable = self._usable(job)
-        rank = job.priority.rank
+        rank = _rank(job.priority)
         eligible = table.eligible_fn(rank, job.user, time_sharing and self.policy.preemption)
         if not self.policy.preemption:
             eligible = lambda i: False  # noqa: E731 - only wait for what is already suspending
@@ -457,7 +459,7 @@ class _Cycle:
             vrank = table.rank[i]
             ran = fmt_duration(table.runtime[i])
             lost = table.lost[i]
-            if vrank < job.priority.rank:
+            if vrank < _rank(job.priority):
                 mr = v.min_runtime_s if v.min_runtime_s is not None else pol.min_runtime_s
                 why = (
                     f"suspend at its next checkpoint for job {job.id} ({job.priority.value} outranks"
@@ -481,9 +483,9 @@ class _Cycle:
                 self.owned[prev] = [n for n in self.owned.get(prev, []) if n != s.name]
             self.owner[s.name] = job.id
             self.index.remove(s)
-        self.owner_rank[job.id] = job.priority.rank
-        if self.lowest_owner_rank is None or job.priority.rank < self.lowest_owner_rank:
-            self.lowest_owner_rank = job.priority.rank
+        self.owner_rank[job.id] = _rank(job.priority)
+        if self.lowest_owner_rank is None or _rank(job.priority) < self.lowest_owner_rank:
+            self.lowest_owner_rank = _rank(job.priority)
         self.owned[job.id] = list(names)
         for name in old:
             if name not in names and self.owner.get(name) == job.id:
@@ -492,7 +494,7 @@ class _Cycle:
         d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
 
     def _note(self, job: QueuedJob, ts_tried: bool, deferred: bool) -> str:
-        key = (job.priority.rank, ts_tried, deferred, job.user if ts_tried else "")
+        key = (id(job.priority), ts_tried, deferred, job.user if ts_tried else "")
         got = self.note_cache.get(key)
         if got is not None:
             return got
@@ -624,6 +626,7 @@ class _Cycle:
         cap = pol.max_preemptions_per_cycle
         mpr = self.min_preemptible_rank
         for rank, jobs in self.levels:
+            level_epoch = self.epoch
             waiters = _Waiters()
             flat: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
             final: dict[tuple[str, bool], str] = {}  # (placement reason, deferred) -> full reason
@@ -662,7 +665,26 @@ class _Cycle:
             for (user, n, g), (reason, epoch, lst, _final) in flat.items():
                 waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
             self._time_share(waiters)
+            if self.epoch != level_epoch:
+                self._retry_level(jobs)
         return self.decisions
+
+    def _retry_level(self, jobs: list[QueuedJob]) -> None:
+        """Reserved nodes were given back (their owner started elsewhere or gave up) after some
+        of this level's jobs had their turn: offer the freed capacity to them again, in order
+        (the next cycle would, a second later)."""
+        d = self.decisions
+        started = {s.job_id for s in d.starts}
+        for job in jobs:
+            jid = job.id
+            if jid in started or jid in d.reservations or job.nodes < 1 or job.gpus_per_node < 1:
+                continue
+            if self.quota.enabled and self.quota.blocked(job) is not None:
+                continue
+            placement, reason, allocs = self._try_place(job, self._extras(job))
+            if placement is not None:
+                d.pending_reasons.pop(jid, None)
+                self._start(job, placement, allocs)
 
 
 class _Waiters:

@@ -39,9 +39,9 @@ class NodeSlot:
         self.zone_ix = zone_ix
         self.leaf_ix = leaf_ix
         gpus = self.gpus = view.gpus
-        free = sorted(view.free_gpus)
-        if free and (free[0] < 0 or free[-1] >= gpus):
-            free = [g for g in free if 0 <= g < gpus]
+        free = list(view.free_gpus)  # sorted, as NodeView promises
+        if free and (free[0] < 0 or free[-1] >= gpus or len(free) > gpus):
+            free = sorted(g for g in set(free) if 0 <= g < gpus)
         self.free: list[int] = free
         self.indexed = False
 
@@ -157,6 +157,22 @@ class FreeIndex:
         self.zone_idle = [0] * len(self.zones)
 
     # -- maintenance -------------------------------------------------------------------------
+    def fill(self, leave_out: dict[str, int]) -> None:
+        """Index every node not named in ``leave_out`` (bulk, in node order: appends only)."""
+        partial, leaves, zone_idle = self.partial, self.leaves, self.zone_idle
+        for slot in self.slots:
+            if slot.name in leave_out:
+                continue
+            slot.indexed = True
+            f = len(slot.free)
+            if f == 0:
+                continue
+            if f == slot.gpus:
+                leaves[slot.leaf_ix].idle.append(slot.ord)
+                zone_idle[slot.zone_ix] += 1
+            else:
+                partial[f].append(slot.ord)
+
     def insert(self, slot: NodeSlot) -> None:
         if slot.indexed:
             return
