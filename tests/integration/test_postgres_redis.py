@@ -18,7 +18,6 @@ from hai.db.base import utcnow
 from hai.db.migrate import upgrade
 from hai.db.models import Node
 from hai.main import create_app
-from hai.services import auth
 from hai.services.context import Platform
 from hai.services.notify import RedisNotifier
 from hai.services.runner import SchedulerLoop

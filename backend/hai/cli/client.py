@@ -97,7 +97,7 @@ def submit(
 
 
 def _fmt_row(cols: list[str], widths: list[int]) -> str:
-    return "  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()
+    return "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> None:
