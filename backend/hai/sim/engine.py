@@ -163,6 +163,16 @@ class Simulation:
         self.queued_by_rank: dict[int, int] = {}
         self.running_by_rank: dict[int, int] = {}
         self.queued_shapes: dict[tuple[int, int], int] = {}  # (nodes, GPUs a node) -> queued jobs
+        # for the skip rules: GPUs of jobs past the quantum on each node by (rank, user), one-node
+        # waiters past the threshold by (rank, user, GPUs), multi-node ones, reserved nodes
+        self.exp_on_node: list[dict[tuple[int, str], int]] = [{} for _ in self.nodes]
+        self.ready_shapes: dict[tuple[int, str, int], int] = {}
+        self.ready_multi = 0
+        self.reserved_by: dict[int, int] = {}  # node index -> job it is reserved for
+        self.backfill_rules = scheduler is hai_schedule
+        # node-level time-sharing rules: one priority in the trace (with several, a waiter may
+        # combine lower-priority and same-priority victims; then the coarser rule applies)
+        self.ts_rules = self.backfill_rules and self.max_rank == self.min_rank
         # usage per user: decayed GPU-seconds, updated when a user's GPU count changes
         self.half_life = policy.usage_half_life_s
         self.lam = math.log(2) / self.half_life if self.half_life > 0 else 0.0
@@ -229,7 +239,88 @@ class Simulation:
     def _unexpire(self, j: _Job) -> None:
         if j.expired_rank is not None:
             self._count(self.expired, j.expired_rank, j.t.user, -1)
+            key = (j.expired_rank, j.t.user)
+            for a in j.allocs:
+                on = self.exp_on_node[self.node_ix[a.node]]
+                on[key] -= len(a.gpus)
+                if on[key] <= 0:
+                    del on[key]
             j.expired_rank = None
+
+    def _ready_shape(self, j: _Job, delta: int) -> None:
+        if j.t.nodes > 1:
+            self.ready_multi += delta
+        else:
+            key = (j.ready_rank, j.t.user, j.t.gpus_per_node)
+            self.ready_shapes[key] = self.ready_shapes.get(key, 0) + delta
+
+    # The rules below use what the hai policy guarantees (it starts every job that fits, in the
+    # same cycle): after a cycle, nothing that fits is left waiting, so a later change can only
+    # matter through the nodes it touched.
+    def _fits_on(self, idxs: list[int]) -> bool:
+        """Could a queued job start now thanks to GPUs freed on these nodes?"""
+        if not self.queue:
+            return False
+        if self.quotas:
+            return True  # freed quota may let a job start anywhere
+        min_g = min_k = None
+        for (nodes, g), n in self.queued_shapes.items():
+            if n > 0:
+                if nodes == 1:
+                    min_g = g if min_g is None or g < min_g else min_g
+                elif min_k is None or nodes < min_k:
+                    min_k = nodes
+        zones = []
+        for i in idxs:
+            free = len(self.free[i])
+            owner = self.reserved_by.get(i)
+            if owner is not None:
+                oj = self.jobs[owner]
+                if oj.t.nodes > 1 or free >= oj.t.gpus_per_node or self.max_rank != self.min_rank:
+                    return True
+                continue
+            if min_g is not None and free >= min_g:
+                return True
+            node = self.nodes[i]
+            if node.zone not in zones:
+                zones.append(node.zone)
+        if min_k is not None:
+            for z in zones:
+                if sum(self.zone_leaf_idle[z].values()) >= min_k:
+                    return True
+        return False
+
+    def _ts_fits(self, rank: int, user: str, g: int, idxs) -> bool:
+        """Could a one-node waiter (rank, user, g GPUs) take one of these nodes by suspending
+        jobs of other users at its rank that ran past the quantum?"""
+        for i in idxs:
+            exp = self.exp_on_node[i]
+            if not exp or i in self.reserved_by or self.nodes[i].gpus < g:
+                continue
+            have = len(self.free[i])
+            for (r, u), n in exp.items():
+                if r == rank and u != user:
+                    have += n
+            if have >= g:
+                return True
+        return False
+
+    def _ts_possible_on(self, idxs: list[int]) -> bool:
+        """Could time-sharing now make a plan that involves these nodes?"""
+        if not (self.policy.preemption and self.policy.time_sharing) or not self.queue:
+            return False
+        if self.ready_multi > 0 and self._preemption_possible():
+            return True
+        for (rank, user, g), n in self.ready_shapes.items():
+            if n > 0 and self._ts_fits(rank, user, g, idxs):
+                return True
+        return False
+
+    def _lower_priority_possible(self) -> bool:
+        if not self.policy.preemption or self.max_rank == self.min_rank:
+            return False
+        low = min((r for r, n in self.running_by_rank.items() if n > 0), default=None)
+        return low is not None and any(n > 0 and r > low for r, n in self.queued_by_rank.items())
 
     def _some_queued_job_fits(self) -> bool:
         """Could any queued job start on the free GPUs (reserved ones included)? A necessary
@@ -361,13 +452,18 @@ class Simulation:
         if kind == _FINISH:
             if j.attempt != attempt or j.state not in (_RUNNING, _SUSPENDING):
                 return None
-            self._release_gpus(j)
+            freed = [self.node_ix[a.node] for a in j.allocs]
             self._unexpire(j)
+            self._release_gpus(j)
             del self.running[job_id]
             j.state = _DONE
             j.end = t
             # freed GPUs matter if a queued job fits them, or if they complete a preemption plan
-            return self._some_queued_job_fits() or self._preemption_possible()
+            if not self.backfill_rules:
+                return self._some_queued_job_fits() or self._preemption_possible()
+            if not self.ts_rules:
+                return self._fits_on(freed) or self._preemption_possible()
+            return self._fits_on(freed) or self._ts_possible_on(freed)
         if kind == _RELEASE:
             if j.attempt != attempt or j.state != _SUSPENDING:
                 return None
@@ -383,7 +479,10 @@ class Simulation:
                 return None
             j.ready_rank = j.priority.rank
             self._count(self.ready, j.ready_rank, j.t.user, 1)
-            return self._others(self.expired, j.ready_rank, j.t.user) > 0
+            self._ready_shape(j, 1)
+            if not self.ts_rules or j.t.nodes > 1:
+                return self._others(self.expired, j.ready_rank, j.t.user) > 0
+            return self._ts_fits(j.ready_rank, j.t.user, j.t.gpus_per_node, range(len(self.nodes)))
         if j.state != _RUNNING or j.attempt != attempt:
             return None
         if kind == _W_QUANTUM:
@@ -391,7 +490,15 @@ class Simulation:
             if self.stale.pop(job_id, None) == attempt:
                 self._rview(j, t)
             self._count(self.expired, j.expired_rank, j.t.user, 1)
-            return self._others(self.ready, j.expired_rank, j.t.user) > 0
+            mine = []
+            for a in j.allocs:
+                i = self.node_ix[a.node]
+                key = (j.expired_rank, j.t.user)
+                self.exp_on_node[i][key] = self.exp_on_node[i].get(key, 0) + len(a.gpus)
+                mine.append(i)
+            if not self.ts_rules:
+                return self._others(self.ready, j.expired_rank, j.t.user) > 0
+            return self._ts_possible_on(mine)
         if kind == _W_MINRT:
             rank = j.priority.rank
             return any(n > 0 and r > rank for r, n in self.queued_by_rank.items())
@@ -553,6 +660,7 @@ class Simulation:
             self.queued_shapes[(tj.nodes, tj.gpus_per_node)] -= 1
             if j.ready_rank is not None:
                 self._count(self.ready, j.ready_rank, tj.user, -1)
+                self._ready_shape(j, -1)
                 j.ready_rank = None
             j.queued_total += t - j.queued_since
             j.allocs = st.allocations
@@ -586,6 +694,7 @@ class Simulation:
             if jid in self.queue and old_res.get(jid, ()) != new_res.get(jid, ()):
                 self._qview(self.jobs[jid], new_res.get(jid, ()))
         self.reservations = new_res
+        self.reserved_by = {self.node_ix[n]: jid for jid, names in new_res.items() for n in names if n in self.node_ix}
 
     def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could

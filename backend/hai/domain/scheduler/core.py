@@ -99,74 +99,53 @@ class _Cycle:
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
         max_qrank = self.levels[0][0] if self.levels else -1
 
-        # 1. one pass over the running jobs: demotions, effective ranks, and which jobs could be
-        #    victims this cycle (so the victim table indexes only those, and only when needed)
+        # 1. running jobs: effective ranks and demotions now; which jobs could be victims (past
+        #    their minimum runtime, past the quantum) only as far as this cycle needs to know
         running = snapshot.running
         n = len(running)
-        self.eff_rank = eff_rank = [0] * n
-        self.min_ok = min_ok_l = [False] * n
-        self.quantum_ok = q_ok_l = [False] * n
-        self.members: list[int] = []
-        members = self.members
-        above = Priority.ABOVE_NORMAL
-        suspending = JobState.SUSPENDING
-        min_rt, quantum, demote_after = policy.min_runtime_s, policy.quantum_s, policy.demote_after_s
-        ts = policy.time_sharing
+        rank_by_id = _RANK_BY_ID
+        try:
+            eff = [rank_by_id[id(r.priority)] for r in running]
+        except KeyError:  # a priority that is not one of the enum's members (a plain string)
+            eff = [_rank(r.priority) for r in running]
+        self.eff_rank = eff
+        self.min_ok = [False] * n
+        self.quantum_ok = [False] * n
+        self.members: list[int] = []  # the jobs the victim table indexes
         self.min_preemptible_rank: int | None = None  # lowest rank past its minimum runtime
         self.ts_users: dict[int, dict[str, int]] = {}  # rank -> user -> jobs past the quantum
         self._queued_ids: dict[int, bool] | None = None
-        min_pr = None
-        rank_by_id = _RANK_BY_ID
-        # rank -> a user with an active job there, and whether there are several (explanations)
-        first_user: dict[int, str] = {}
-        many_users: dict[int, bool] = {}
-        self.first_user, self.many_users = first_user, many_users
-        for i, r in enumerate(running):
-            prio = r.priority
-            rank = rank_by_id.get(id(prio))
-            if rank is None:
-                rank = _rank(prio)
-            if r.suspend_requested_for is not None or r.state is suspending:
-                eff_rank[i] = rank
-                target = r.suspend_requested_for
-                if target is not None and target in self.queued_ids:
-                    self.pending_targets[target] = True
-                    members.append(i)
-                continue
-            ran = now - r.started_at
-            if prio is above and ran >= demote_after:
-                d.demotions.append(
-                    Demote(
-                        r.id,
-                        Priority.NORMAL,
-                        f"ran {fmt_duration(ran)} at ABOVE_NORMAL; demoted to NORMAL after {fmt_duration(demote_after)}",
-                    )
-                )
-                rank = _NORMAL_RANK
-            eff_rank[i] = rank
-            fu = first_user.get(rank)
-            if fu is None:
-                first_user[rank] = r.user
-            elif fu != r.user:
-                many_users[rank] = True
-            mr = r.min_runtime_s
-            if ran >= (min_rt if mr is None else mr):
-                min_ok_l[i] = True
-                if min_pr is None or rank < min_pr:
-                    min_pr = rank
-                if ran >= quantum:
-                    q_ok_l[i] = True
-                    users = self.ts_users.get(rank)
-                    if users is None:
-                        users = self.ts_users[rank] = {}
-                    users[r.user] = users.get(r.user, 0) + 1
-                    if ts:
-                        members.append(i)
-                        continue
-                if rank < max_qrank:
-                    members.append(i)
-        self.min_preemptible_rank = min_pr
         self._young: dict[int, int] | None = None
+        suspending = JobState.SUSPENDING
+        self.susp_mark = [False] * n
+        for i in [i for i, r in enumerate(running) if r.suspend_requested_for is not None or r.state is suspending]:
+            self.susp_mark[i] = True
+            target = running[i].suspend_requested_for
+            if target is not None and target in self.queued_ids:
+                self.pending_targets[target] = True
+                self.members.append(i)
+        above_rank = Priority.ABOVE_NORMAL.rank
+        if above_rank in eff:
+            demote_after = policy.demote_after_s
+            for i, r in enumerate(running):
+                if eff[i] == above_rank and not self.susp_mark[i]:
+                    ran = now - r.started_at
+                    if ran >= demote_after:
+                        d.demotions.append(
+                            Demote(
+                                r.id,
+                                Priority.NORMAL,
+                                f"ran {fmt_duration(ran)} at ABOVE_NORMAL; demoted to NORMAL after"
+                                f" {fmt_duration(demote_after)}",
+                            )
+                        )
+                        eff[i] = _NORMAL_RANK
+        self.min_eff = min(eff) if eff else None
+        self._max_qrank = max_qrank
+        self._facts_ts = False
+        self._facts_full = False
+        if policy.preemption and n and self.min_eff < max_qrank:
+            self._victim_facts(full=True)  # a lower-priority job may be preempted: look at all
 
         # quotas: everything holding GPUs counts, at its effective priority
         self.quota = QuotaBook(snapshot.quotas)
@@ -181,7 +160,7 @@ class _Cycle:
         self.owner: dict[str, int] = {}
         self.owner_rank: dict[int, int] = {}
         self.owned: dict[int, list[str]] = {}
-        for j in self.queue:
+        for j in [q for q in self.queue if q.reserved_nodes]:
             if j.reserved_nodes:
                 mine: list[str] = []
                 for name in j.reserved_nodes:
@@ -222,10 +201,49 @@ class _Cycle:
             self._queued_ids = {j.id: True for j in self.snap.queued}
         return self._queued_ids
 
-    def _other_user_at(self, rank: int, user: str) -> bool:
-        """Does a running (not suspending) job of another user have this effective rank?"""
-        fu = self.first_user.get(rank)
-        return fu is not None and (fu != user or self.many_users.get(rank, False))
+    def _victim_facts(self, full: bool) -> None:
+        """Which running jobs are past their minimum runtime (``full``: all of them) or past the
+        quantum (otherwise: only those, enough for time-sharing within one priority)."""
+        if self._facts_full or (self._facts_ts and not full):
+            return
+        running, eff, susp = self.snap.running, self.eff_rank, self.susp_mark
+        pol, now = self.policy, self.now
+        min_rt, quantum, ts = pol.min_runtime_s, pol.quantum_s, pol.time_sharing
+        max_qrank = self._max_qrank
+        if full:
+            cands = [i for i in range(len(running)) if not susp[i]]
+        else:
+            cands = [i for i, r in enumerate(running) if now - r.started_at >= quantum and not susp[i]]
+        min_ok_l, q_ok_l, members, ts_users = self.min_ok, self.quantum_ok, self.members, self.ts_users
+        already = self._facts_ts  # time-sharing facts were filled in before: do not count twice
+        min_pr = self.min_preemptible_rank
+        for i in cands:
+            r = running[i]
+            ran = now - r.started_at
+            mr = r.min_runtime_s
+            if ran < (min_rt if mr is None else mr):
+                continue
+            rank = eff[i]
+            if min_pr is None or rank < min_pr:
+                min_pr = rank
+            if ran >= quantum:
+                if already:
+                    continue
+                min_ok_l[i] = q_ok_l[i] = True
+                users = ts_users.get(rank)
+                if users is None:
+                    users = ts_users[rank] = {}
+                users[r.user] = users.get(r.user, 0) + 1
+                if ts or rank < max_qrank:
+                    members.append(i)
+                continue
+            min_ok_l[i] = True
+            if full and rank < max_qrank:
+                members.append(i)
+        self.min_preemptible_rank = min_pr if full else self.min_preemptible_rank
+        self._facts_ts = True
+        if full:
+            self._facts_full = True
 
     @property
     def young(self) -> dict[int, int]:
@@ -241,8 +259,9 @@ class _Cycle:
         return self._young
 
     def _young_lower(self, rank: int) -> int:
-        if not any(r < rank for r in self.first_user):
+        if self.min_eff is None or self.min_eff >= rank:
             return 0
+        self._victim_facts(full=True)
         return sum(n for r, n in self.young.items() if r < rank)
 
     def _could_preempt(self, job: QueuedJob, time_sharing: bool) -> bool:
@@ -252,6 +271,7 @@ class _Cycle:
         if mpr is not None and mpr < rank:
             return True
         if time_sharing:
+            self._victim_facts(full=False)
             users = self.ts_users.get(rank)
             if users:
                 for u in users:
@@ -262,6 +282,7 @@ class _Cycle:
     @property
     def table(self) -> RunningTable:
         if self._table is None:
+            self._victim_facts(full=False)  # at least the jobs past the quantum (no-op when all known)
             self._table = RunningTable(
                 self.snap.running,
                 self.eff_rank,
@@ -512,16 +533,18 @@ class _Cycle:
                     f"{plural(young, 'lower-priority job')} could make room but"
                     f" {'has' if young == 1 else 'have'} run less than the {fmt_duration(pol.min_runtime_s)} minimum"
                 )
-            if ts_tried and self._other_user_at(job.priority.rank, job.user):
-                if any(u != job.user for u in self.ts_users.get(job.priority.rank, ())):
+            rank = _rank(job.priority)
+            if ts_tried and rank in self.eff_rank:
+                self._victim_facts(full=False)
+                if any(u != job.user for u in self.ts_users.get(rank, ())):
                     parts.append(
                         f"time-sharing: no job of another user at {job.priority.value} that has run its"
                         f" {fmt_duration(pol.quantum_s)} quantum can make room"
                     )
                 else:
                     parts.append(
-                        f"time-sharing: jobs of other users at {job.priority.value} have not yet run their"
-                        f" {fmt_duration(pol.quantum_s)} quantum"
+                        f"time-sharing: no job of another user at {job.priority.value} has run its"
+                        f" {fmt_duration(pol.quantum_s)} quantum yet"
                     )
         note = "".join("; " + p for p in parts)
         self.note_cache[key] = note

@@ -55,13 +55,16 @@ class _Layout:
     Pure function of the (name, zone, leaf) of each node, memoized because a live cluster and
     the simulator present the same node list cycle after cycle."""
 
-    __slots__ = ("names", "zone_of", "leaf_of", "order", "zones", "leaves", "zone_leaves", "slot_zone", "slot_leaf")
+    __slots__ = (
+        "names", "zone_of", "leaf_of", "order", "sorted_names", "zones", "leaves", "zone_leaves", "slot_zone", "slot_leaf",
+    )  # fmt: skip
 
     def __init__(self, views: Sequence[NodeView]):
         self.names = tuple(v.name for v in views)
         self.zone_of = tuple(v.zone for v in views)
         self.leaf_of = tuple(v.leaf for v in views)
         self.order = sorted(range(len(views)), key=lambda i: (views[i].zone, views[i].leaf, views[i].name))
+        self.sorted_names = [views[i].name for i in self.order]
         self.zones: list[str] = []
         self.leaves: list[tuple[str, str, int]] = []  # (leaf name, zone, zone ix)
         self.zone_leaves: list[list[int]] = []
@@ -141,17 +144,26 @@ class FreeIndex:
         slots: list[NodeSlot] = []
         leaves = self.leaves
         slot_zone, slot_leaf = lay.slot_zone, lay.slot_leaf
-        for k, i in enumerate(lay.order):
-            li = slot_leaf[k]
-            slots.append(NodeSlot(k, views[i], slot_zone[k], li))
-            leaves[li].size += 1
-        self.slots = slots
-        self.by_name: dict[str, NodeSlot] = {s.name: s for s in slots}
-        self.max_gpus = max((s.gpus for s in self.slots), default=0)
-        self.homogeneous = len({s.gpus for s in self.slots}) <= 1
         self.zone_size = [0] * len(self.zones)
-        for s in self.slots:
-            self.zone_size[s.zone_ix] += 1
+        zone_size = self.zone_size
+        max_gpus = 0
+        homogeneous = True
+        for k, i in enumerate(lay.order):
+            li, zi = slot_leaf[k], slot_zone[k]
+            slot = NodeSlot(k, views[i], zi, li)
+            slots.append(slot)
+            leaves[li].size += 1
+            zone_size[zi] += 1
+            g = slot.gpus
+            if g != max_gpus:
+                if k:
+                    homogeneous = False
+                if g > max_gpus:
+                    max_gpus = g
+        self.slots = slots
+        self.by_name: dict[str, NodeSlot] = dict(zip(lay.sorted_names, slots))
+        self.max_gpus = max_gpus
+        self.homogeneous = homogeneous
         # partial[f]: ords of indexed nodes with exactly f free GPUs, 0 < f < gpus
         self.partial: list[list[int]] = [[] for _ in range(self.max_gpus + 1)]
         self.zone_idle = [0] * len(self.zones)

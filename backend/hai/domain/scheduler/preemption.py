@@ -72,6 +72,7 @@ class RunningTable:
         self.pending_for: dict[int, list[int]] = {}
         self._singles: dict[tuple[int, bool], list[tuple[float, int, int, int, int]]] = {}
         self._zones: dict[tuple[int, bool], list] = {}
+        self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
         for i in members:
@@ -142,7 +143,7 @@ class RunningTable:
         for z in range(len(index.zones)):
             size = index.zone_size[z]
             nomember: list[int] = []
-            cands: list[tuple[int, tuple[int, ...]]] = []
+            cands: list[tuple[int, tuple[int, ...], float]] = []
             for o in range(start, start + size):
                 hs = holders[o]
                 if not hs:
@@ -158,13 +159,21 @@ class RunningTable:
                         ok = False
                         break
                 if ok:
-                    cands.append((o, tuple(i for i, _g in hs)))
+                    blockers = tuple(i for i, _g in hs)
+                    cands.append((o, blockers, sum(self.lost[i] for i in blockers)))
             got.append((nomember, cands))
             start += size
         self._zones[key] = got
         return got
 
     def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
+        key = (rank, user if time_sharing else "", time_sharing)
+        got = self._eligible.get(key)
+        if got is None:
+            got = self._eligible[key] = self._make_eligible(rank, user, time_sharing)
+        return got
+
+    def _make_eligible(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
         ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
 
         if time_sharing:
@@ -300,7 +309,7 @@ def plan_multi(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...]]]]] | None = None,
+    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...], float]]]] | None = None,
     same_user: Callable[[int], bool] | None = None,
 ) -> Plan | None:
     """``nodes`` whole nodes in one zone for the waiting job. ``fast``: the per-cycle zone
@@ -321,6 +330,7 @@ def plan_multi(
             continue
         free_now: list[int] = []  # ords free for J without new victims
         need_of: dict[int, list[int]] = {}
+        lost_of: dict[int, float] = {}
         waits_of: dict[int, list[int]] = {}
         if fast is not None:
             # from the per-cycle classification: only live facts are checked here (GPUs taken
@@ -332,7 +342,7 @@ def plan_multi(
                 if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
                     free_now.append(o)
             held, chosen_l = table.held, table.chosen
-            for o, blockers in cands:
+            for o, blockers, lost_sum in cands:
                 slot = slots[o]
                 if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
                     continue
@@ -341,7 +351,8 @@ def plan_multi(
                         break
                 else:
                     if usable(slot):
-                        need_of[o] = list(blockers)
+                        need_of[o] = blockers  # type: ignore[assignment]
+                        lost_of[o] = lost_sum
         else:
             for slot in zone_slots:
                 if slot.gpus < gpus_per_node:
@@ -386,7 +397,7 @@ def plan_multi(
         chosen_mark: dict[int, bool] = {}
         if len(freed) < nodes:
             remaining = {o: len(v) for o, v in need_of.items()}
-            rem_lost = {o: sum(lost[i] for i in v) for o, v in need_of.items()}
+            rem_lost = {o: (lost_of[o] if o in lost_of else sum(lost[i] for i in v)) for o, v in need_of.items()}
             heap = [
                 (remaining[o], rem_lost[o], -potential[index.slots[o].leaf_ix], o) for o in sorted(need_of)
             ]
