@@ -28,9 +28,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
 
-from hai.domain.jobs import JobState, Priority  # noqa: E402
-from hai.domain.scheduler import NodeView, Policy, QueuedJob, Quota, RunningJob, Snapshot, schedule  # noqa: E402
-from hai.domain.topology import fire_flyer  # noqa: E402
+from hai.domain.jobs import JobState, Priority
+from hai.domain.scheduler import (
+    NodeView,
+    Policy,
+    QueuedJob,
+    Quota,
+    RunningJob,
+    Snapshot,
+    schedule,
+)
+from hai.domain.topology import fire_flyer
 
 HOUR = 3600.0
 NOW = 1_000_000_000.0

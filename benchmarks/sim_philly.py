@@ -25,13 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
-from hai.cli.sim import policy_from_settings  # noqa: E402
-from hai.domain.scheduler import schedule  # noqa: E402
-from hai.domain.topology import fire_flyer  # noqa: E402
-from hai.sim.engine import SimConfig, Simulation  # noqa: E402
-from hai.sim.fifo import FifoScheduler  # noqa: E402
-from hai.sim.trace import parse_trace  # noqa: E402
-from hai.settings import get_settings  # noqa: E402
+from hai.cli.sim import policy_from_settings
+from hai.domain.scheduler import schedule
+from hai.domain.topology import fire_flyer
+from hai.settings import get_settings
+from hai.sim.engine import SimConfig, Simulation
+from hai.sim.fifo import FifoScheduler
+from hai.sim.trace import parse_trace
 
 COLUMNS = [
     "avg_jct_s", "p50_jct_s", "p99_jct_s", "avg_queue_s", "gpu_utilization", "useful_gpu_utilization",

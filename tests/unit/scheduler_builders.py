@@ -46,74 +46,74 @@ class JobBuilder:
         self._reserved: tuple[str, ...] = ()
         self._suspensions = 0
 
-    def nodes(self, n: int) -> "JobBuilder":
+    def nodes(self, n: int) -> JobBuilder:
         self._nodes = n
         return self
 
-    def gpus(self, n: int) -> "JobBuilder":
+    def gpus(self, n: int) -> JobBuilder:
         """GPUs per node (default 8)."""
         self._gpus_per_node = n
         return self
 
-    def priority(self, p: str | Priority) -> "JobBuilder":
+    def priority(self, p: str | Priority) -> JobBuilder:
         self._priority = Priority(p)
         return self
 
-    def asked(self, p: str | Priority) -> "JobBuilder":
+    def asked(self, p: str | Priority) -> JobBuilder:
         """The priority the user submitted with (before any demotion)."""
         self._submitted_priority = Priority(p)
         return self
 
-    def user(self, u: str) -> "JobBuilder":
+    def user(self, u: str) -> JobBuilder:
         self._user = u
         return self
 
-    def group(self, g: str) -> "JobBuilder":
+    def group(self, g: str) -> JobBuilder:
         self._group = g
         return self
 
-    def submitted(self, t: float) -> "JobBuilder":
+    def submitted(self, t: float) -> JobBuilder:
         self._submitted = t
         return self
 
-    def queued_at(self, t: float) -> "JobBuilder":
+    def queued_at(self, t: float) -> JobBuilder:
         self._queued_at = t
         return self
 
-    def started(self, t: float) -> "JobBuilder":
+    def started(self, t: float) -> JobBuilder:
         self._started = t
         return self
 
-    def checkpoint(self, t: float) -> "JobBuilder":
+    def checkpoint(self, t: float) -> JobBuilder:
         self._checkpoint = t
         return self
 
-    def on(self, node: str, gpus: tuple[int, ...] | None = None) -> "JobBuilder":
+    def on(self, node: str, gpus: tuple[int, ...] | None = None) -> JobBuilder:
         self._on.append((node, gpus))
         return self
 
-    def state(self, s: str | JobState) -> "JobBuilder":
+    def state(self, s: str | JobState) -> JobBuilder:
         self._state = JobState(s)
         return self
 
-    def cross_zone(self) -> "JobBuilder":
+    def cross_zone(self) -> JobBuilder:
         self._cross = True
         return self
 
-    def min_runtime(self, s: float) -> "JobBuilder":
+    def min_runtime(self, s: float) -> JobBuilder:
         self._min_runtime = s
         return self
 
-    def suspending_for(self, name: str) -> "JobBuilder":
+    def suspending_for(self, name: str) -> JobBuilder:
         self._state = JobState.SUSPENDING
         self._suspend_for = name
         return self
 
-    def reserved(self, *nodes: str) -> "JobBuilder":
+    def reserved(self, *nodes: str) -> JobBuilder:
         self._reserved = tuple(nodes)
         return self
 
-    def suspensions(self, n: int) -> "JobBuilder":
+    def suspensions(self, n: int) -> JobBuilder:
         self._suspensions = n
         return self
 
@@ -152,17 +152,17 @@ class Cluster:
                 return k
         raise KeyError(job_id)
 
-    def zone(self, name: str, leaves: int = 1, nodes_per_leaf: int = 4, gpus: int = 8) -> "Cluster":
+    def zone(self, name: str, leaves: int = 1, nodes_per_leaf: int = 4, gpus: int = 8) -> Cluster:
         for li in range(leaves):
             for ni in range(nodes_per_leaf):
                 self._nodes.append(_Node(f"{name}-l{li}-n{ni}", name, f"{name}-l{li}", gpus, list(range(gpus))))
         return self
 
-    def node(self, name: str, zone: str = "A", leaf: str = "A-l0", gpus: int = 8) -> "Cluster":
+    def node(self, name: str, zone: str = "A", leaf: str = "A-l0", gpus: int = 8) -> Cluster:
         self._nodes.append(_Node(name, zone, leaf, gpus, list(range(gpus))))
         return self
 
-    def unschedulable(self, *names: str) -> "Cluster":
+    def unschedulable(self, *names: str) -> Cluster:
         for n in self._nodes:
             if n.name in names:
                 n.schedulable = False
@@ -174,7 +174,7 @@ class Cluster:
                 return n
         raise KeyError(name)
 
-    def run(self, b: JobBuilder) -> "Cluster":
+    def run(self, b: JobBuilder) -> Cluster:
         """Add a running job holding GPUs (from ``.on(...)`` nodes, else first free in order)."""
         allocs: list[Allocation] = []
         if b._on:
@@ -217,7 +217,7 @@ class Cluster:
         )
         return self
 
-    def queue(self, *builders: JobBuilder) -> "Cluster":
+    def queue(self, *builders: JobBuilder) -> Cluster:
         for b in builders:
             self._queued.append(
                 QueuedJob(
@@ -237,11 +237,11 @@ class Cluster:
             )
         return self
 
-    def quota(self, group: str, priority: str, gpus: int, user: str | None = None) -> "Cluster":
+    def quota(self, group: str, priority: str, gpus: int, user: str | None = None) -> Cluster:
         self._quotas.append(Quota(group, Priority(priority), gpus, user))
         return self
 
-    def usage(self, user: str, gpu_s: float) -> "Cluster":
+    def usage(self, user: str, gpu_s: float) -> Cluster:
         self._usage[user] = gpu_s
         return self
 
@@ -274,4 +274,4 @@ def leaves_of(names: list[str]) -> list[str]:
     return sorted({n.rsplit("-", 1)[0] for n in names})
 
 
-__all__ = ["cluster", "job", "policy", "nodes_of", "leaves_of"]
+__all__ = ["cluster", "job", "leaves_of", "nodes_of", "policy"]

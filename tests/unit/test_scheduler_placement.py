@@ -10,10 +10,9 @@ from dataclasses import replace
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from scheduler_builders import cluster, job, leaves_of, nodes_of, policy  # noqa: E402
-
-from hai.domain.scheduler import Snapshot, schedule  # noqa: E402
-from hai.domain.scheduler.placement import choose_leaves, min_leaves  # noqa: E402
+from hai.domain.scheduler import Snapshot, schedule
+from hai.domain.scheduler.placement import choose_leaves, min_leaves
+from scheduler_builders import cluster, job, leaves_of, nodes_of, policy
 
 NOW = 10_000.0
 

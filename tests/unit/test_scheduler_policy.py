@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from scheduler_builders import cluster, job, nodes_of, policy  # noqa: E402
-
-from hai.domain.jobs import Priority  # noqa: E402
-from hai.domain.scheduler import Demote, schedule  # noqa: E402
+from hai.domain.jobs import Priority
+from hai.domain.scheduler import Demote, schedule
+from scheduler_builders import cluster, job, nodes_of, policy
 
 NOW = 100_000.0
 MIN = 60.0

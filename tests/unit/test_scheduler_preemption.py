@@ -9,10 +9,9 @@ from dataclasses import replace
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from scheduler_builders import cluster, job, nodes_of, policy  # noqa: E402
-
-from hai.domain.jobs import JobState  # noqa: E402
-from hai.domain.scheduler import NodeView, schedule  # noqa: E402
+from hai.domain.jobs import JobState
+from hai.domain.scheduler import NodeView, schedule
+from scheduler_builders import cluster, job, nodes_of, policy
 
 MIN = 60.0
 HOUR = 3600.0

@@ -11,9 +11,6 @@ from __future__ import annotations
 import copy
 import random
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler import (
     Allocation,
@@ -25,6 +22,8 @@ from hai.domain.scheduler import (
     Snapshot,
     schedule,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 NOW = 1_000_000.0
 HOUR = 3600.0

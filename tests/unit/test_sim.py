@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 import typer
-from typer.testing import CliRunner
-
 from hai.cli.sim import policy_from_settings, sim, topology_app
 from hai.domain.jobs import Priority
 from hai.domain.scheduler import Allocation, Decisions, Policy, Quota, Start, schedule
@@ -18,6 +16,7 @@ from hai.domain.topology import fire_flyer, from_crux
 from hai.sim.engine import SimConfig, Simulation
 from hai.sim.fifo import FifoScheduler
 from hai.sim.trace import TraceError, TraceJob, parse_trace
+from typer.testing import CliRunner
 
 CRUX = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "crux_topology.csv"
 

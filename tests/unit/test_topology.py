@@ -7,7 +7,6 @@ import io
 from pathlib import Path
 
 import pytest
-
 from hai.domain.topology import (
     TopologyError,
     TopologyNode,

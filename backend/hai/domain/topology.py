@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 TOPOLOGY_COLUMNS = ("node", "gpus", "leaf", "zone")
 

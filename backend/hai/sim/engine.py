@@ -23,8 +23,8 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler import schedule as hai_schedule
@@ -63,22 +63,22 @@ class SimConfig:
 
 class _Job:
     __slots__ = (
-        "t",
-        "state",
-        "priority",
-        "work_done",
+        "allocs",
         "attempt",
         "attempt_start",
-        "progress_start",
-        "allocs",
-        "first_start",
         "end",
+        "expired_rank",
+        "first_start",
+        "priority",
+        "progress_start",
         "queued_since",
         "queued_total",
-        "suspensions",
-        "suspend_for",
         "ready_rank",
-        "expired_rank",
+        "state",
+        "suspend_for",
+        "suspensions",
+        "t",
+        "work_done",
     )
 
     def __init__(self, t: TraceJob):
@@ -339,9 +339,7 @@ class Simulation:
                 min_k = nodes
         if min_g is not None and any(len(f) >= min_g for f in self.free):
             return True
-        if min_k is not None and any(sum(leaves.values()) >= min_k for leaves in self.zone_leaf_idle.values()):
-            return True
-        return False
+        return min_k is not None and any(sum(leaves.values()) >= min_k for leaves in self.zone_leaf_idle.values())
 
     def _preemption_possible(self) -> bool:
         """Could some queued job preempt now (time-sharing pairs: a waiter past the threshold and
@@ -367,11 +365,17 @@ class Simulation:
         cluster), the cycle is skipped: its decisions would equal the last cycle's."""
         pol = self.policy
         rank = j.priority.rank
-        if getattr(self.scheduler, "strict_order", False) and not self.quotas:
-            # jobs start in queue order only: the newcomer matters only as the new head
-            # (priority first, then first submission: it is the latest of its priority)
-            if self.queued_by_rank.get(rank, 0) > 1 or any(n > 0 and r > rank for r, n in self.queued_by_rank.items()):
-                return False
+        # a scheduler that starts jobs in queue order only: the newcomer matters only as the new
+        # head (priority first, then first submission: it is the latest of its priority)
+        if (
+            getattr(self.scheduler, "strict_order", False)
+            and not self.quotas
+            and (
+                self.queued_by_rank.get(rank, 0) > 1
+                or any(n > 0 and r > rank for r, n in self.queued_by_rank.items())
+            )
+        ):
+            return False
         if pol.preemption:
             if any(n > 0 and r < rank for r, n in self.running_by_rank.items()):
                 return True
@@ -738,8 +742,7 @@ class Simulation:
         while heap:
             first = heap[0][0]
             t = math.ceil(first / grid) * grid if grid > 0 else first
-            if t < first:  # float rounding of the grid point
-                t = first
+            t = max(t, first)  # float rounding of the grid point
             worth = False
             while heap and heap[0][0] <= t:
                 at, kind, _seq, job_id, attempt = heapq.heappop(heap)

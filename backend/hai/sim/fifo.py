@@ -26,7 +26,6 @@ from operator import attrgetter
 from hai.domain.scheduler.model import Allocation, Decisions, Policy, Snapshot, Start
 from hai.domain.scheduler.quota import QuotaBook
 
-
 _BY_ID = attrgetter("id")
 _BY_SUBMIT = attrgetter("first_submitted_at")
 _PRIORITY = attrgetter("priority")

@@ -17,7 +17,7 @@ import csv
 import io
 import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from hai.domain.jobs import Priority
 
@@ -55,7 +55,7 @@ def _seconds(value: str) -> float:
     except ValueError:
         raise TraceError(f"timestamp {value!r} is neither seconds nor a date time") from None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 

@@ -448,7 +448,7 @@ class _Cycle:
         rank = _rank(job.priority)
         eligible = table.eligible_fn(rank, job.user, time_sharing and self.policy.preemption)
         if not self.policy.preemption:
-            eligible = lambda i: False  # noqa: E731 - only wait for what is already suspending
+            eligible = lambda i: False
         if job.nodes == 1:
             singles = table.singles(rank, time_sharing) if self.policy.preemption else None
             plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles)
@@ -458,7 +458,7 @@ class _Cycle:
                 fast = table.zones_for(rank, time_sharing, self.index)
                 if time_sharing:
                     ranks, jobs_, user = table.rank, table.jobs, job.user
-                    same_user = lambda i: ranks[i] == rank and jobs_[i].user == user  # noqa: E731
+                    same_user = lambda i: ranks[i] == rank and jobs_[i].user == user
             plan = plan_multi(
                 table, self.index, job.nodes, job.gpus_per_node, usable, eligible, pending, fast, same_user
             )
@@ -551,7 +551,7 @@ class _Cycle:
         return note
 
     # -- the cycle -------------------------------------------------------------------------------
-    def _process(self, job: QueuedJob, waiters: "_Waiters") -> None:
+    def _process(self, job: QueuedJob, waiters: _Waiters) -> None:
         d = self.decisions
         if job.nodes < 1 or job.gpus_per_node < 1:
             d.pending_reasons[job.id] = "asks for no GPUs; nothing to schedule"
@@ -596,7 +596,7 @@ class _Cycle:
         self._drop_reservation(job)
         return False, deferred
 
-    def _time_share(self, waiters: "_Waiters") -> None:
+    def _time_share(self, waiters: _Waiters) -> None:
         """Time-sharing for one priority level: users in order of recent usage (least first;
         ties by their oldest waiting job), each user's waiting jobs in FIFO order. Jobs of one
         user and shape with nothing reserved behave alike: once one finds no victims, the rest
@@ -704,7 +704,7 @@ class _Cycle:
                 continue
             if self.quota.enabled and self.quota.blocked(job) is not None:
                 continue
-            placement, reason, allocs = self._try_place(job, self._extras(job))
+            placement, _reason, allocs = self._try_place(job, self._extras(job))
             if placement is not None:
                 d.pending_reasons.pop(jid, None)
                 self._start(job, placement, allocs)

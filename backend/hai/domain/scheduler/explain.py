@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def fmt_duration(seconds: float) -> str:
     """900 -> '15 min', 14400 -> '4 h', 5400 -> '1 h 30 min', 42 -> '42 s'."""
-    s = int(round(max(0.0, seconds)))
+    s = round(max(0.0, seconds))
     if s < 60:
         return f"{s} s"
     minutes, _ = divmod(s, 60)

@@ -7,8 +7,8 @@ All times are seconds (floats, epoch or virtual clock: the domain does not care)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from hai.domain.jobs import JobState, Priority
 

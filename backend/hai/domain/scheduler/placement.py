@@ -20,8 +20,8 @@ O(nodes). Nothing here iterates a set or a dict of sets to decide anything.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from hai.domain.scheduler.model import NodeView
 
@@ -29,7 +29,7 @@ from hai.domain.scheduler.model import NodeView
 class NodeSlot:
     """One schedulable node's mutable state during a cycle (a copy; the NodeView is untouched)."""
 
-    __slots__ = ("ord", "name", "zone", "leaf", "zone_ix", "leaf_ix", "gpus", "free", "indexed")
+    __slots__ = ("free", "gpus", "indexed", "leaf", "leaf_ix", "name", "ord", "zone", "zone_ix")
 
     def __init__(self, ord_: int, view: NodeView, zone_ix: int, leaf_ix: int):
         self.ord = ord_
@@ -56,7 +56,16 @@ class _Layout:
     the simulator present the same node list cycle after cycle."""
 
     __slots__ = (
-        "names", "zone_of", "leaf_of", "order", "sorted_names", "zones", "leaves", "zone_leaves", "slot_zone", "slot_leaf",
+        "leaf_of",
+        "leaves",
+        "names",
+        "order",
+        "slot_leaf",
+        "slot_zone",
+        "sorted_names",
+        "zone_leaves",
+        "zone_of",
+        "zones",
     )  # fmt: skip
 
     def __init__(self, views: Sequence[NodeView]):
@@ -109,7 +118,7 @@ def _layout(views: Sequence[NodeView]) -> _Layout:
 
 
 class LeafInfo:
-    __slots__ = ("ix", "name", "zone", "zone_ix", "idle", "size")
+    __slots__ = ("idle", "ix", "name", "size", "zone", "zone_ix")
 
     def __init__(self, ix: int, name: str, zone: str, zone_ix: int):
         self.ix = ix
@@ -158,8 +167,7 @@ class FreeIndex:
             if g != max_gpus:
                 if k:
                     homogeneous = False
-                if g > max_gpus:
-                    max_gpus = g
+                max_gpus = max(max_gpus, g)
         self.slots = slots
         self.by_name: dict[str, NodeSlot] = dict(zip(lay.sorted_names, slots))
         self.max_gpus = max_gpus
@@ -236,8 +244,7 @@ class FreeIndex:
         best = 0
         for leaf in self.leaves:
             for o in leaf.idle:
-                if self.slots[o].gpus > best:
-                    best = self.slots[o].gpus
+                best = max(best, self.slots[o].gpus)
                 if self.homogeneous:
                     break
         return best
@@ -315,7 +322,7 @@ class FreeIndex:
             choice = choose_leaves(counts, nodes)
             if choice is None:
                 continue
-            cmap = dict((ix, c) for c, ix in counts)
+            cmap = {ix: c for c, ix in counts}
             leftover = sum(cmap[ix] for ix, _ in choice) - nodes
             zone_idle = sum(self.zone_idle) if z is None else self.zone_idle[z]
             key = (len(choice), leftover, zone_idle, -1 if z is None else z)
@@ -343,12 +350,10 @@ class FreeIndex:
 def min_leaves(counts: Iterable[int], nodes: int) -> int | None:
     """Fewest leaves whose idle nodes add up to ``nodes`` (largest first is optimal)."""
     total = 0
-    m = 0
-    for c in sorted(counts, reverse=True):
+    for m, c in enumerate(sorted(counts, reverse=True), start=1):
         if c <= 0:
             break
         total += c
-        m += 1
         if total >= nodes:
             return m
     return None

@@ -18,9 +18,9 @@ cycle's state; the caller applies a plan.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
-from typing import Callable, Sequence
 
 from hai.domain.scheduler.model import Policy, RunningJob
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot, choose_leaves
@@ -404,7 +404,7 @@ def plan_multi(
             heapq.heapify(heap)
             done: dict[int, bool] = {}
             while len(freed) < nodes and heap:
-                cnt, lst, negpot, o = heapq.heappop(heap)
+                cnt, lst, _pot, o = heapq.heappop(heap)
                 if done.get(o) or cnt != remaining[o] or lst != rem_lost[o]:
                     continue  # stale entry
                 for i in need_of[o]:

@@ -14,7 +14,7 @@ Semantics (documented for admins and the live service):
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.model import QueuedJob, Quota
