@@ -450,17 +450,27 @@ class _Cycle:
         if not self.policy.preemption:
             eligible = lambda i: False
         if job.nodes == 1:
-            singles = table.singles(rank, time_sharing) if self.policy.preemption else None
+            singles = table.singles() if self.policy.preemption else None
             plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles)
         else:
             fast = same_user = None
             if self.policy.preemption and not pending:
-                fast = table.zones_for(rank, time_sharing, self.index)
+                fast = table.zones(self.index)
                 if time_sharing:
                     ranks, jobs_, user = table.rank, table.jobs, job.user
                     same_user = lambda i: ranks[i] == rank and jobs_[i].user == user
             plan = plan_multi(
-                table, self.index, job.nodes, job.gpus_per_node, usable, eligible, pending, fast, same_user
+                table,
+                self.index,
+                job.nodes,
+                job.gpus_per_node,
+                usable,
+                eligible,
+                pending,
+                fast,
+                same_user,
+                rank=rank,
+                time_sharing=time_sharing,
             )
         if plan is None:
             if not pending and not own:
@@ -523,7 +533,7 @@ class _Cycle:
         parts: list[str] = []
         if deferred:
             parts.append(
-                f"suspending other jobs would make room; this cycle already planned {pol.max_preemptions_per_cycle}"
+                f"suspending other jobs may make room; this cycle already planned {pol.max_preemptions_per_cycle}"
                 " preemptions, the next cycle continues"
             )
         elif pol.preemption and self.snap.running:
@@ -616,7 +626,18 @@ class _Cycle:
             if user not in oldest or k < oldest[user]:
                 oldest[user] = k
         pend = self.decisions.pending_reasons
+        cap = self.policy.max_preemptions_per_cycle
         for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
+            if self.plans_applied >= cap and user not in specials:
+                # the cycle's preemption budget is spent: a user's groups are either deferred
+                # to the next cycle (victims exist) or keep their reason (none exist)
+                byshape = groups[user]
+                first = next(iter(byshape.values()))[2][0]
+                if self._could_preempt(first, True):
+                    for reason, _e, lst in byshape.values():
+                        got = reason + self._note(lst[0], True, True)
+                        pend.update(dict.fromkeys([j.id for j in lst], got))
+                continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
                 heap.append((job.first_submitted_at, job.id, 0, k, 0))

@@ -70,8 +70,8 @@ class RunningTable:
         self.holders = holders
         self.nodes_of: list[list[int]] = [[] for _ in jobs]
         self.pending_for: dict[int, list[int]] = {}
-        self._singles: dict[tuple[int, bool], list[tuple[float, int, int, int, int]]] = {}
-        self._zones: dict[tuple[int, bool], list] = {}
+        self._singles: list[tuple[float, int, int, int, int]] | None = None
+        self._zones: list | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
@@ -104,66 +104,65 @@ class RunningTable:
         # GPUs held on each node by the indexed jobs
         self.held = [sum(g for _i, g in hs) for hs in holders]
 
-    def singles(self, rank: int, time_sharing: bool) -> list[tuple[float, int, int, int, int]]:
-        """(lost GPU-s, GPUs on the node, node ord, job id, job index) for every (victim, node)
-        pair a waiting job of ``rank`` might use, least lost first. Built once per (rank, mode)
-        per cycle, so a single-victim plan is found in the first few entries instead of a scan
-        of every node."""
-        key = (rank, time_sharing)
-        got = self._singles.get(key)
+    def singles(self) -> list[tuple[float, int, int, int, int]]:
+        """(lost GPU-s, GPUs on the node, node ord, job id, job index) for every (possible
+        victim, node) pair, least lost first. Built once per cycle; a waiting job scans it with
+        its own eligibility test, so a single-victim plan is found in the first entries instead
+        of a scan of every node."""
+        got = self._singles
         if got is None:
             got = []
-            jobs, ranks, min_ok, q_ok, lost, holders = self.jobs, self.rank, self.min_ok, self.quantum_ok, self.lost, self.holders
+            jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
             for i in self.members:
                 if not min_ok[i]:
                     continue
-                r = ranks[i]
-                if r < rank or (time_sharing and r == rank and q_ok[i]):
-                    jid = jobs[i].id
-                    for o in self.nodes_of[i]:
-                        for hi, g in holders[o]:
-                            if hi == i:
-                                got.append((lost[i], g, o, jid, i))
+                jid = jobs[i].id
+                for o in self.nodes_of[i]:
+                    for hi, g in holders[o]:
+                        if hi == i:
+                            got.append((lost[i], g, o, jid, i))
             got.sort()
-            self._singles[key] = got
+            self._singles = got
         return got
 
-    def zones_for(self, rank: int, time_sharing: bool, index: FreeIndex):
-        """Per zone: (nodes holding no indexed job, [(node, victims that would free it)]) where
-        every job on the node may be a victim of a waiting job of ``rank`` (ignoring the live
-        facts: victims chosen in this cycle, the same-user rule, reservations)."""
-        key = (rank, time_sharing)
-        got = self._zones.get(key)
+    def zones(self, index: FreeIndex):
+        """Per zone: (nodes holding no indexed job, [(node, jobs on it, their lost GPU-s,
+        highest rank among them, highest rank among those not past the quantum)]) for nodes
+        where every job is past its minimum runtime (and not suspending). Built once per cycle;
+        a waiting job of rank R may free a node when the highest rank is below R, or (time-
+        sharing) equal to R with every job at R past the quantum (and of other users: checked
+        live, with the victims already chosen and the reservations)."""
+        got = self._zones
         if got is not None:
             return got
-        ranks, min_ok, q_ok, holders = self.rank, self.min_ok, self.quantum_ok, self.holders
+        ranks, min_ok, q_ok, holders, lost = self.rank, self.min_ok, self.quantum_ok, self.holders, self.lost
         pending = self.pending_mark
         got = []
         start = 0
         for z in range(len(index.zones)):
             size = index.zone_size[z]
             nomember: list[int] = []
-            cands: list[tuple[int, tuple[int, ...], float]] = []
+            cands: list[tuple[int, tuple[int, ...], float, int, int]] = []
             for o in range(start, start + size):
                 hs = holders[o]
                 if not hs:
                     nomember.append(o)
                     continue
-                ok = True
+                top = top_young = -1
                 for i, _g in hs:
                     if pending[i] or not min_ok[i]:
-                        ok = False
                         break
                     r = ranks[i]
-                    if not (r < rank or (time_sharing and r == rank and q_ok[i])):
-                        ok = False
-                        break
-                if ok:
+                    if r > top:
+                        top = r
+                    if not q_ok[i] and r > top_young:
+                        top_young = r
+                else:
                     blockers = tuple(i for i, _g in hs)
-                    cands.append((o, blockers, sum(self.lost[i] for i in blockers)))
+                    cands.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
             got.append((nomember, cands))
             start += size
-        self._zones[key] = got
+        self._zones = got
         return got
 
     def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
@@ -309,8 +308,10 @@ def plan_multi(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...], float]]]] | None = None,
+    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...], float, int, int]]]] | None = None,
     same_user: Callable[[int], bool] | None = None,
+    rank: int = 0,
+    time_sharing: bool = False,
 ) -> Plan | None:
     """``nodes`` whole nodes in one zone for the waiting job. ``fast``: the per-cycle zone
     classification of ``RunningTable.zones_for`` (only for a job with nothing suspending for it);
@@ -342,7 +343,9 @@ def plan_multi(
                 if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
                     free_now.append(o)
             held, chosen_l = table.held, table.chosen
-            for o, blockers, lost_sum in cands:
+            for o, blockers, lost_sum, top, top_young in cands:
+                if top >= rank and not (time_sharing and top == rank and top_young < rank):
+                    continue
                 slot = slots[o]
                 if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
                     continue
