@@ -232,6 +232,25 @@ def test_capacity_a_reservation_gives_back_mid_cycle_goes_to_earlier_jobs_in_the
     assert d.reservations == {} and d.pending_reasons == {}
 
 
+def test_quota_holds_when_capacity_comes_back_late_in_the_cycle():
+    """Found by the property test: two jobs of one group pass the quota check in their turn,
+    capacity they can use comes back later in the cycle; only one of them may take it."""
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=3)
+    c.run(job("busy").priority("EXTREME_HIGH").on("A-l0-n0").started(NOW))
+    c.quota("g", "NORMAL", 8)
+    c.usage("ann", 1.0).usage("bob", 2.0)
+    c.queue(
+        job("w1").group("g").user("ann").submitted(1).queued_at(NOW - 3600),
+        job("w2").group("g").user("bob").gpus(4).submitted(2).queued_at(NOW - 3600),
+        job("r").group("h").user("cat").gpus(1).reserved("A-l0-n1", "A-l0-n2").submitted(3),
+    )
+    d = schedule(c.snapshot(), policy(), NOW)
+    assert nodes_of(d, c.id_of("r")) == ["A-l0-n1"]
+    assert nodes_of(d, c.id_of("w1")) == ["A-l0-n2"]  # the node "r" gave back
+    assert c.id_of("w2") not in [s.job_id for s in d.starts]
+    assert d.pending_reasons[c.id_of("w2")] == "group g at NORMAL uses 8 of 8 GPUs; this job needs 4"
+
+
 def test_reservation_of_a_quota_blocked_job_is_dropped():
     c = cluster().zone("A", leaves=1, nodes_per_leaf=1)
     c.quota("g", "HIGH", 0)

@@ -592,6 +592,12 @@ class _Cycle:
     def _ts_one(self, job: QueuedJob, reason: str, epoch: int) -> tuple[bool, bool]:
         """Time-sharing for one waiting job: (made progress, deferred by the per-cycle cap)."""
         pend = self.decisions.pending_reasons
+        if self.quota.enabled:
+            blocked = self.quota.blocked(job)  # jobs of its bucket may have started since its turn
+            if blocked:
+                pend[job.id] = blocked
+                self._drop_reservation(job)
+                return False, False
         if epoch != self.epoch:  # capacity came back since this job's turn: try to place it again
             placement, reason, allocs = self._try_place(job, self._extras(job))
             if placement is not None:

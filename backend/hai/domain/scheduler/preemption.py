@@ -153,8 +153,7 @@ class RunningTable:
                     if pending[i] or not min_ok[i]:
                         break
                     r = ranks[i]
-                    if r > top:
-                        top = r
+                    top = max(top, r)
                     if not q_ok[i] and r > top_young:
                         top_young = r
                 else:
