@@ -163,7 +163,7 @@ def _effective_rank(snap: Snapshot, pol: Policy, d) -> dict[int, int]:
     return {r.id: (Priority.NORMAL.rank if r.id in demoted else r.priority.rank) for r in snap.running}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snap=snapshots(), pol=policies)
 def test_cycle_invariants(snap: Snapshot, pol: Policy):
     before = copy.deepcopy(snap)
