@@ -149,9 +149,7 @@ class _Cycle:
 
         # quotas: everything holding GPUs counts, at its effective priority
         self.quota = QuotaBook(snapshot.quotas)
-        if self.quota.enabled:
-            for r, rank in zip(snapshot.running, self.eff_rank):
-                self.quota.charge(r.group, rank, r.user, r.gpu_count)
+        self.quota.charge_all(snapshot.running, self.eff_rank)
 
         # at most one job spanning zones at a time (computed when a job asks for it)
         self._cross_running: bool | None = None
@@ -685,21 +683,22 @@ class _Cycle:
                 # fast path: a job whose shape already failed this cycle, nothing reserved for it,
                 # and no preemption left to try; the full path handles everything else
                 jid = job.id
-                if jid in owned or jid in pt or job.allow_cross_zone:
+                if (owned and jid in owned) or (pt and jid in pt) or job.allow_cross_zone:
                     self._process(job, waiters)
                     continue
-                reason = place_fail.get((job.nodes, job.gpus_per_node, False))
+                n, g = job.nodes, job.gpus_per_node
+                reason = place_fail.get((n, g, False))
                 if reason is None or (quota is not None and quota.blocked(job) is not None):
                     self._process(job, waiters)
                     continue
                 deferred = False
-                if prio_possible and (job.nodes, job.gpus_per_node, rank, False, "") not in plan_fail:
+                if prio_possible and (n, g, rank, False, "") not in plan_fail:
                     if self.plans_applied < cap:
                         self._process(job, waiters)
                         continue
                     deferred = True
                 if ts_on and not deferred and job.queued_at <= ts_since:
-                    gkey = (job.user, job.nodes, job.gpus_per_node)
+                    gkey = (job.user, n, g)
                     grp = flat.get(gkey)
                     if grp is None:
                         # the reason its jobs keep if time-sharing finds nothing for them

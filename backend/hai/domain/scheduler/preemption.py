@@ -70,7 +70,7 @@ class RunningTable:
         self.holders = holders
         self.nodes_of: list[list[int]] = [[] for _ in jobs]
         self.pending_for: dict[int, list[int]] = {}
-        self._singles: list[tuple[float, int, int, int, int]] | None = None
+        self._singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None
         self._zones: list | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
@@ -104,14 +104,14 @@ class RunningTable:
         # GPUs held on each node by the indexed jobs
         self.held = [sum(g for _i, g in hs) for hs in holders]
 
-    def singles(self) -> list[tuple[float, int, int, int, int]]:
-        """(lost GPU-s, GPUs on the node, node ord, job id, job index) for every (possible
-        victim, node) pair, least lost first. Built once per cycle; a waiting job scans it with
-        its own eligibility test, so a single-victim plan is found in the first entries instead
-        of a scan of every node."""
+    def singles(self) -> dict[int, list[tuple[float, int, int, int, int]]]:
+        """GPUs on the node -> [(lost GPU-s, GPUs on the node, node ord, job id, job index)]
+        for every (possible victim, node) pair, least lost first, largest buckets first. Built
+        once per cycle; a waiting job scans it with its own eligibility test, so a single-victim
+        plan is found in the first entries instead of a scan of every node."""
         got = self._singles
         if got is None:
-            got = []
+            flat = []
             jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
             for i in self.members:
                 if not min_ok[i]:
@@ -120,8 +120,12 @@ class RunningTable:
                 for o in self.nodes_of[i]:
                     for hi, g in holders[o]:
                         if hi == i:
-                            got.append((lost[i], g, o, jid, i))
-            got.sort()
+                            flat.append((lost[i], g, o, jid, i))
+            flat.sort()
+            got = {}
+            for e in flat:
+                got.setdefault(e[1], []).append(e)
+            got = {g: got[g] for g in sorted(got, reverse=True)}
             self._singles = got
         return got
 
@@ -233,22 +237,42 @@ def plan_single(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    singles: list[tuple[float, int, int, int, int]] | None = None,
+    singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None,
 ) -> Plan | None:
     """One node with ``gpus`` GPUs for the waiting job."""
     scan: Sequence[NodeSlot] = index.slots
     if singles is not None and not pending:
-        # the fewest victims is one whenever one victim suffices: take the one losing least
+        # the fewest victims is one whenever one victim suffices: take the one losing least.
+        # ``singles`` is bucketed by the victim's GPUs on the node, each bucket least lost
+        # first: the first fit of each bucket, then the least lost of those (the same choice
+        # as one scan of all pairs in (lost, GPUs, node, job) order)
         slots = index.slots
-        acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
-        for lost_v, g, o, _jid, i in singles:
-            slot = slots[o]
-            if slot.gpus < gpus or not eligible(i):
-                continue
-            if len(slot.free) + g >= gpus and usable(slot):
-                return Plan([i], [slot], 1, lost_v, 1)
-            acc[o] = acc.get(o, 0) + g
+        maxfree = -1
+        best_single: tuple | None = None
+        for g, bucket in singles.items():
+            if g < gpus:
+                if maxfree < 0:
+                    maxfree = max((len(s.free) for s in slots), default=0)
+                if g + maxfree < gpus:
+                    continue  # no node has enough free GPUs beside a victim of this size
+            for entry in bucket:
+                if best_single is not None and entry > best_single:
+                    break
+                _lost_v, _g, o, _jid, i = entry
+                slot = slots[o]
+                if slot.gpus < gpus or len(slot.free) + g < gpus or not eligible(i) or not usable(slot):
+                    continue
+                best_single = entry
+                break
+        if best_single is not None:
+            lost_v, _g, o, _jid, i = best_single
+            return Plan([i], [slots[o]], 1, lost_v, 1)
         # several victims on one node: only nodes where all eligible victims together suffice
+        acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
+        for bucket in singles.values():
+            for _lost_v, g, o, _jid, i in bucket:
+                if slots[o].gpus >= gpus and eligible(i):
+                    acc[o] = acc.get(o, 0) + g
         scan = [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]
         if not scan:
             return None

@@ -20,6 +20,9 @@ from hai.domain.jobs import Priority
 from hai.domain.scheduler.model import QueuedJob, Quota
 
 
+_MISSING = object()
+
+
 class QuotaBook:
     def __init__(self, quotas: Iterable[Quota]):
         self.group_limit: dict[tuple[str, int], int] = {}
@@ -45,17 +48,29 @@ class QuotaBook:
         ukey = (group, rank, user)
         self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
 
+    def charge_all(self, running, ranks: list[int]) -> None:
+        """Charge every running job (any sequence of RunningJob) at its effective rank."""
+        if not self.enabled:
+            return
+        self._memo.clear()
+        gu, uu = self.group_used, self.user_used
+        for r, rank in zip(running, ranks, strict=True):
+            allocs = r.allocations
+            gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
+            key = (r.group, rank)
+            gu[key] = gu.get(key, 0) + gpus
+            ukey = (r.group, rank, r.user)
+            uu[ukey] = uu.get(ukey, 0) + gpus
+
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
         if not self.enabled:
             return None
         memo_key = (job.group, job.user, id(job.priority), job.nodes * job.gpus_per_node)
-        try:
-            return self._memo[memo_key]
-        except KeyError:
-            pass
-        got = self._memo[memo_key] = self._blocked(job)
-        return got
+        got = self._memo.get(memo_key, _MISSING)
+        if got is _MISSING:
+            got = self._memo[memo_key] = self._blocked(job)
+        return got  # type: ignore[return-value]
 
     def _blocked(self, job: QueuedJob) -> str | None:
         rank = job.priority.rank
