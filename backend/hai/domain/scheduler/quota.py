@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.model import QueuedJob, Quota
 
-
 _MISSING = object()
 
 
