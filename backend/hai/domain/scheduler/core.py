@@ -141,6 +141,7 @@ class _Cycle:
                         )
                         eff[i] = _NORMAL_RANK
         self.min_eff = min(eff) if eff else None
+        self.present_ranks = dict.fromkeys(eff)  # (explanations) ranks with a running job
         self._max_qrank = max_qrank
         self._facts_ts = False
         self._facts_full = False
@@ -173,6 +174,7 @@ class _Cycle:
         self.lowest_owner_rank = min(self.owner_rank.values(), default=None)
 
         self._table: RunningTable | None = None
+        self._bounds: dict[int, tuple[int, int]] = {}
         self.place_fail: dict[tuple, str] = {}
         self.plan_fail: dict[tuple, bool] = {}
         self.note_cache: dict[tuple, str] = {}
@@ -276,6 +278,24 @@ class _Cycle:
                     if u != job.user:
                         return True
         return False
+
+    def _may_fit(self, job: QueuedJob) -> bool:
+        """Upper bound, whoever the job: could suspending every job that might be a victim in
+        this cycle make room for it at all (a node whose free GPUs plus its possible victims'
+        GPUs are enough; enough such whole nodes in one zone)? Most failing plans stop here."""
+        got = self._bounds.get(self.epoch)
+        if got is None:
+            held = self.table.held
+            slots = self.index.slots
+            cap1 = max((len(s.free) + held[s.ord] for s in slots), default=0)
+            per_zone = [0] * len(self.index.zones)
+            for s in slots:
+                if held[s.ord] + len(s.free) == s.gpus:
+                    per_zone[s.zone_ix] += 1
+            got = self._bounds[self.epoch] = (cap1, max(per_zone, default=0))
+        if job.nodes == 1:
+            return job.gpus_per_node <= got[0]
+        return job.nodes <= got[1]
 
     @property
     def table(self) -> RunningTable:
@@ -439,6 +459,9 @@ class _Cycle:
                 return None, False
             if not own and key in self.plan_fail:
                 return None, False
+            if not own and not self._may_fit(job):
+                self.plan_fail[key] = True
+                return None, False
             if cap_reached:
                 return None, True  # victims may exist; the next cycle plans them
         table = self.table
@@ -523,7 +546,12 @@ class _Cycle:
         d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
 
     def _note(self, job: QueuedJob, ts_tried: bool, deferred: bool) -> str:
-        key = (id(job.priority), ts_tried, deferred, job.user if ts_tried else "")
+        rank = _rank(job.priority)
+        variant = 0
+        if ts_tried and not deferred and self.policy.preemption and rank in self.present_ranks:
+            self._victim_facts(full=False)
+            variant = 2 if any(u != job.user for u in self.ts_users.get(rank, ())) else 1
+        key = (rank, ts_tried, deferred, variant)
         got = self.note_cache.get(key)
         if got is not None:
             return got
@@ -535,25 +563,22 @@ class _Cycle:
                 " preemptions, the next cycle continues"
             )
         elif pol.preemption and self.snap.running:
-            young = self._young_lower(job.priority.rank)
+            young = self._young_lower(rank)
             if young:
                 parts.append(
                     f"{plural(young, 'lower-priority job')} could make room but"
                     f" {'has' if young == 1 else 'have'} run less than the {fmt_duration(pol.min_runtime_s)} minimum"
                 )
-            rank = _rank(job.priority)
-            if ts_tried and rank in self.eff_rank:
-                self._victim_facts(full=False)
-                if any(u != job.user for u in self.ts_users.get(rank, ())):
-                    parts.append(
-                        f"time-sharing: no job of another user at {job.priority.value} that has run its"
-                        f" {fmt_duration(pol.quantum_s)} quantum can make room"
-                    )
-                else:
-                    parts.append(
-                        f"time-sharing: no job of another user at {job.priority.value} has run its"
-                        f" {fmt_duration(pol.quantum_s)} quantum yet"
-                    )
+            if variant == 2:
+                parts.append(
+                    f"time-sharing: no job of another user at {job.priority.value} that has run its"
+                    f" {fmt_duration(pol.quantum_s)} quantum can make room"
+                )
+            elif variant == 1:
+                parts.append(
+                    f"time-sharing: no job of another user at {job.priority.value} has run its"
+                    f" {fmt_duration(pol.quantum_s)} quantum yet"
+                )
         note = "".join("; " + p for p in parts)
         self.note_cache[key] = note
         return note
