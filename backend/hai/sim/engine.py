@@ -167,7 +167,10 @@ class Simulation:
         # waiters past the threshold by (rank, user, GPUs), multi-node ones, reserved nodes
         self.exp_on_node: list[dict[tuple[int, str], int]] = [{} for _ in self.nodes]
         self.ready_shapes: dict[tuple[int, str, int], int] = {}
-        self.ready_multi = 0
+        self.ready_multi_shapes: dict[tuple[int, str, int, int], int] = {}
+        self.zone_nodes: dict[str, list[int]] = {}
+        for i, node in enumerate(self.nodes):
+            self.zone_nodes.setdefault(node.zone, []).append(i)
         self.reserved_by: dict[int, int] = {}  # node index -> job it is reserved for
         self.backfill_rules = scheduler is hai_schedule
         # node-level time-sharing rules: one priority in the trace (with several, a waiter may
@@ -249,7 +252,8 @@ class Simulation:
 
     def _ready_shape(self, j: _Job, delta: int) -> None:
         if j.t.nodes > 1:
-            self.ready_multi += delta
+            key = (j.ready_rank, j.t.user, j.t.nodes, j.t.gpus_per_node)
+            self.ready_multi_shapes[key] = self.ready_multi_shapes.get(key, 0) + delta
         else:
             key = (j.ready_rank, j.t.user, j.t.gpus_per_node)
             self.ready_shapes[key] = self.ready_shapes.get(key, 0) + delta
@@ -295,7 +299,7 @@ class Simulation:
         jobs of other users at its rank that ran past the quantum?"""
         for i in idxs:
             exp = self.exp_on_node[i]
-            if not exp or i in self.reserved_by or self.nodes[i].gpus < g:
+            if not exp or self.nodes[i].gpus < g:
                 continue
             have = len(self.free[i])
             for (r, u), n in exp.items():
@@ -309,11 +313,33 @@ class Simulation:
         """Could time-sharing now make a plan that involves these nodes?"""
         if not (self.policy.preemption and self.policy.time_sharing) or not self.queue:
             return False
-        if self.ready_multi > 0 and self._preemption_possible():
-            return True
         for (rank, user, g), n in self.ready_shapes.items():
             if n > 0 and self._ts_fits(rank, user, g, idxs):
                 return True
+        zones = list(dict.fromkeys(self.nodes[i].zone for i in idxs))
+        for (rank, user, k, g), n in self.ready_multi_shapes.items():
+            if n > 0 and self._ts_multi_fits(rank, user, k, g, zones):
+                return True
+        return False
+
+    def _ts_multi_fits(self, rank: int, user: str, k: int, g: int, zones) -> bool:
+        """Could a multi-node waiter find k whole nodes in one of these zones, each idle or held
+        only by jobs of other users at its rank that ran past the quantum?"""
+        for z in zones:
+            count = 0
+            for i in self.zone_nodes[z]:
+                node = self.nodes[i]
+                if node.gpus < g:
+                    continue
+                have = len(self.free[i])
+                if have < node.gpus:
+                    for (r, u), n in self.exp_on_node[i].items():
+                        if r == rank and u != user:
+                            have += n
+                if have >= node.gpus:
+                    count += 1
+                    if count >= k:
+                        return True
         return False
 
     def _lower_priority_possible(self) -> bool:
@@ -484,8 +510,10 @@ class Simulation:
             j.ready_rank = j.priority.rank
             self._count(self.ready, j.ready_rank, j.t.user, 1)
             self._ready_shape(j, 1)
-            if not self.ts_rules or j.t.nodes > 1:
+            if not self.ts_rules:
                 return self._others(self.expired, j.ready_rank, j.t.user) > 0
+            if j.t.nodes > 1:
+                return self._ts_multi_fits(j.ready_rank, j.t.user, j.t.nodes, j.t.gpus_per_node, list(self.zone_nodes))
             return self._ts_fits(j.ready_rank, j.t.user, j.t.gpus_per_node, range(len(self.nodes)))
         if j.state != _RUNNING or j.attempt != attempt:
             return None
