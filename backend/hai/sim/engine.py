@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hai.domain.jobs import JobState, Priority
@@ -106,6 +106,26 @@ class SimResult:
     wall_s: float = 0.0
     cycles: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+class _Usage(Mapping[str, float]):
+    """Each user's decayed GPU-seconds as of one cycle, computed when the scheduler asks (it
+    reads a few users' values, when it orders time-sharing candidates)."""
+
+    def __init__(self, sim: "Simulation", t: float):
+        self._sim = sim
+        self._t = t
+
+    def __getitem__(self, user: str) -> float:
+        u = self._sim.usage[user]
+        self._sim._usage_roll(u, self._t)
+        return u[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sim.usage)
+
+    def __len__(self) -> int:
+        return len(self._sim.usage)
 
 
 class Simulation:
@@ -608,10 +628,7 @@ class Simulation:
                     # cannot be a victim now (a single priority, not past its quantum): its last
                     # checkpoint is refreshed when it passes the quantum
                     self.stale[jid] = attempt
-        usage = {}
-        for user, u in self.usage.items():
-            self._usage_roll(u, t)
-            usage[user] = u[0]
+        usage = _Usage(self, t)
         return Snapshot(tuple(self.views), tuple(self.rviews.values()), tuple(self.qviews.values()), self.quotas, usage)
 
     # -- applying decisions ----------------------------------------------------------------------

@@ -175,6 +175,7 @@ class _Cycle:
 
         self._table: RunningTable | None = None
         self._bounds: dict[int, tuple[int, int]] = {}
+        self._held_cache: list[int] | None = None
         self.place_fail: dict[tuple, str] = {}
         self.plan_fail: dict[tuple, bool] = {}
         self.note_cache: dict[tuple, str] = {}
@@ -285,7 +286,7 @@ class _Cycle:
         GPUs are enough; enough such whole nodes in one zone)? Most failing plans stop here."""
         got = self._bounds.get(self.epoch)
         if got is None:
-            held = self.table.held
+            held = self._held()
             slots = self.index.slots
             cap1 = max((len(s.free) + held[s.ord] for s in slots), default=0)
             per_zone = [0] * len(self.index.zones)
@@ -296,6 +297,24 @@ class _Cycle:
         if job.nodes == 1:
             return job.gpus_per_node <= got[0]
         return job.nodes <= got[1]
+
+    def _held(self) -> list[int]:
+        """GPUs held on each node by the jobs that may be victims (the victim table's ``held``,
+        without building the table)."""
+        if self._table is not None:
+            return self._table.held
+        if self._held_cache is None:
+            self._victim_facts(full=False)
+            by_name = self.index.by_name
+            held = [0] * len(self.index.slots)
+            running = self.snap.running
+            for i in self.members:
+                for a in running[i].allocations:
+                    slot = by_name.get(a.node)
+                    if slot is not None:
+                        held[slot.ord] += len(a.gpus)
+            self._held_cache = held
+        return self._held_cache
 
     @property
     def table(self) -> RunningTable:
