@@ -112,7 +112,7 @@ class _Usage(Mapping[str, float]):
     """Each user's decayed GPU-seconds as of one cycle, computed when the scheduler asks (it
     reads a few users' values, when it orders time-sharing candidates)."""
 
-    def __init__(self, sim: "Simulation", t: float):
+    def __init__(self, sim: Simulation, t: float):
         self._sim = sim
         self._t = t
 
