@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""The platform on real GPUs, in one command: server + scheduler, two agents (one GPU each,
-standing for two nodes), and examples/haiscale_ddp.py as a 2-node `torch` job over NCCL.
+"""The platform on real GPUs, in one command: server + scheduler, N agents (one GPU each,
+standing for N nodes; two by default), and examples/haiscale_ddp.py as an N-node `torch` job over
+NCCL.
 
 Measures and checks:
   1. throughput of the job under the platform vs the same script started by hand (target >= 98%);
@@ -10,7 +11,13 @@ Measures and checks:
      uninterrupted one.
 
     python benchmarks/gpu_platform_run.py --out results/            # on a host with 2 GPUs
+    python benchmarks/gpu_platform_run.py --agents 1 --out results/ # one GPU: a 1-node job
+    python benchmarks/gpu_platform_run.py --share-gpu --backend gloo  # one GPU, two agents on it
     python benchmarks/gpu_platform_run.py --cpu --steps 60 ...      # the same flow on CPU, fake GPUs
+
+With --share-gpu every agent owns GPU 0 (two nodes standing on one GPU): NCCL refuses two ranks
+of one communicator on the same GPU, so that mode needs --backend gloo (the model still trains on
+the GPU; only the gradient all-reduce goes through host memory).
 
 Prints one JSON object (also written to OUT/gpu_platform_run.json).
 """
@@ -25,6 +32,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -57,7 +65,7 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
 
 
 class Platform:
-    def __init__(self, work: Path, *, cpu: bool, log) -> None:  # noqa: ANN001
+    def __init__(self, work: Path, *, cpu: bool, agents: int, share_gpu: bool, log) -> None:  # noqa: ANN001
         self.work = work
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -71,8 +79,9 @@ class Platform:
         wait_for(lambda: (work / "server" / "agent-token").exists() and self._healthy(), 120, "the server")
         self.admin = (work / "server" / "admin-token").read_text().strip()
         agent_token = (work / "server" / "agent-token").read_text().strip()
-        for i in range(2):
-            gpu_args = ["--fake-gpus", "1"] if cpu else ["--gpus", str(i)]
+        self.agents = agents
+        for i in range(agents):
+            gpu_args = ["--fake-gpus", "1"] if cpu else ["--gpus", str(0 if share_gpu else i)]
             self.procs.append(subprocess.Popen(
                 hai + ["agent", "--server", self.url, "--token", agent_token, "--node", f"gpu-node-{i}",
                        "--zone", "A", "--leaf", f"A{i + 1}", "--state-dir", str(work / f"agent{i}"),
@@ -80,8 +89,8 @@ class Platform:
                        "--stop-jobs-on-exit", *gpu_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin}"}, timeout=30)
-        wait_for(lambda: len([n for n in self.http.get("/api/v1/nodes").json() if n["state"] == "ready"]) == 2,
-                 120, "two agents")
+        wait_for(lambda: len([n for n in self.http.get("/api/v1/nodes").json() if n["state"] == "ready"]) == agents,
+                 120, f"{agents} agents")
 
     def _healthy(self) -> bool:
         try:
@@ -90,7 +99,7 @@ class Platform:
             return False
 
     def submit(self, name: str, command: list[str]) -> int:
-        r = self.http.post("/api/v1/jobs", json={"name": name, "command": command, "nodes": 2, "gpus_per_node": 1,
+        r = self.http.post("/api/v1/jobs", json={"name": name, "command": command, "nodes": self.agents, "gpus_per_node": 1,
                                                  "job_type": "torch", "suspend_grace_s": 120})
         r.raise_for_status()
         return r.json()["id"]
@@ -115,15 +124,15 @@ class Platform:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def by_hand(args_list: list[str], work: Path, cpu: bool) -> str:
-    """The same script, 2 processes started by hand (what a user would do without the platform)."""
+def by_hand(args_list: list[str], work: Path, cpu: bool, world: int, share_gpu: bool) -> str:
+    """The same script, one process per node started by hand (what a user would do without the platform)."""
     port = free_port()
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
         if not cpu:
-            env["CUDA_VISIBLE_DEVICES"] = str(rank)
+            env["CUDA_VISIBLE_DEVICES"] = str(0 if share_gpu else rank)
         procs.append(subprocess.Popen([sys.executable, str(EXAMPLE), *args_list, "--ckpt-dir", str(work / f"hand{rank}")],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -136,7 +145,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-run"))
     ap.add_argument("--cpu", action="store_true", help="fake GPUs and gloo: check the flow without GPUs")
+    ap.add_argument("--agents", type=int, default=2, help="agents (nodes), one GPU each; the job spans all of them")
+    ap.add_argument("--share-gpu", action="store_true", help="every agent owns GPU 0 (a host with one GPU)")
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="default: nccl on GPUs, gloo on CPU")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--repeat", type=int, default=3, help="by-hand and platform runs, alternating")
     ap.add_argument("--suspend-at", type=int, default=200, help="suspend once the job reports this step")
     ap.add_argument("--model", default="--dim 1024 --hidden 4096 --layers 6 --batch-size 256",
                     help="the example's model options, one string")
@@ -145,48 +158,73 @@ def main() -> int:
     work = Path(os.environ.get("HAI_BENCH_WORK", "/tmp/hai-gpu-run"))
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    backend = ["--backend", "gloo"] if a.cpu else ["--backend", "nccl"]
-    train = [*shlex.split(a.model), "--steps", str(a.steps), "--log-every", "100", "--warmup", "50", *backend]
-    result: dict = {"steps": a.steps, "model": a.model, "cpu": a.cpu}
+    if a.share_gpu and a.agents > 1 and a.backend == "nccl":
+        ap.error("--share-gpu puts several ranks on one GPU, which NCCL refuses: use --backend gloo")
+    backend = a.backend or ("gloo" if a.cpu or a.share_gpu else "nccl")
+    train = [*shlex.split(a.model), "--steps", str(a.steps), "--log-every", "100", "--warmup", "50",
+             "--backend", backend]
+    result: dict = {"steps": a.steps, "model": a.model, "cpu": a.cpu, "agents": a.agents,
+                    "share_gpu": a.share_gpu, "backend": backend if a.agents > 1 else "none (one rank)"}
     log = (a.out / "platform.log").open("w")
 
-    hand = by_hand(train, work, a.cpu)
-    result["by_hand_samples_s"] = float(THROUGHPUT.search(hand).group(1))
-    hand_final = FINAL.search(hand).groups()
-
-    plat = Platform(work, cpu=a.cpu, log=log)
+    plat = Platform(work, cpu=a.cpu, agents=a.agents, share_gpu=a.share_gpu, log=log)
     try:
         cmd = [sys.executable, str(EXAMPLE), *train]
-        # 1 + 2: uninterrupted under the platform, sampling the agents' GPU metrics meanwhile
-        ref = plat.submit("uninterrupted", cmd)
+        # 1 + 2: by hand and under the platform, alternating (hand, platform, hand, ...) so that
+        # warm-up, clocks and temperature drift hit both alike; the platform's server and agents
+        # stay up (idle) during the by-hand runs, as an agent does on every node of a cluster.
+        hand_sps: list[float] = []
+        plat_sps: list[float] = []
         utils: list[float] = []
-        deadline = time.monotonic() + 600
-        while plat.job(ref)["state"] not in TERMINAL:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {ref} did not finish: {plat.job(ref)}")
-            for n in plat.http.get("/api/v1/nodes").json():
-                utils.extend(g["util_pct"] for g in n["gpu_metrics"] if g.get("util_pct") is not None and n["running_jobs"])
-            time.sleep(0.5)
-        done = plat.job(ref)
-        assert done["state"] == "succeeded", done
-        ref_logs = plat.logs(ref)
-        result["platform_samples_s"] = float(THROUGHPUT.search(ref_logs).group(1))
-        result["throughput_ratio"] = round(result["platform_samples_s"] / result["by_hand_samples_s"], 4)
+        busy: dict[str, dict] = {}  # node -> its GPU as reported while the job ran (highest utilisation)
+        finals = set()
+        for i in range(a.repeat):
+            hand = by_hand(train, work / f"hand-{i}", a.cpu, a.agents, a.share_gpu)
+            hand_sps.append(float(THROUGHPUT.search(hand).group(1)))
+            finals.add(("by hand",) + FINAL.search(hand).groups())
+            ref = plat.submit(f"uninterrupted-{i}", cmd)
+            deadline = time.monotonic() + 600
+            while plat.job(ref)["state"] not in TERMINAL:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"job {ref} did not finish: {plat.job(ref)}")
+                for n in plat.http.get("/api/v1/nodes").json():
+                    for g in n["gpu_metrics"]:
+                        if g.get("util_pct") is not None and n["running_jobs"]:
+                            utils.append(g["util_pct"])
+                            if g["util_pct"] >= (busy.get(n["name"]) or {}).get("util_pct", -1):
+                                busy[n["name"]] = {"fake": n["fake_gpus"], **g}
+                time.sleep(1.0)
+            done = plat.job(ref)
+            assert done["state"] == "succeeded", done
+            ref_logs = plat.logs(ref)
+            plat_sps.append(float(THROUGHPUT.search(ref_logs).group(1)))
+            finals.add(("platform",) + FINAL.search(ref_logs).groups())
+        result["gpus_seen_by_agents"] = busy
+        result["by_hand_samples_s"] = hand_sps
+        result["platform_samples_s"] = plat_sps
+        result["throughput_ratio"] = round(statistics.median(plat_sps) / statistics.median(hand_sps), 4)
+        result["throughput_ratio_per_pair"] = [round(p / h, 4) for h, p in zip(hand_sps, plat_sps, strict=True)]
         result["gpu_util_pct_while_training"] = {
             "samples": len(utils), "max": max(utils, default=None),
             "median": sorted(utils)[len(utils) // 2] if utils else None,
         }
         ref_final = FINAL.search(ref_logs).groups()
         result["uninterrupted_final"] = {"step": int(ref_final[0]), "checksum": ref_final[1]}
-        result["by_hand_equals_platform"] = hand_final == ref_final
+        result["by_hand_equals_platform"] = len({f[1:] for f in finals}) == 1
 
         # 3 + 4: suspend mid-run, resume, compare
         job = plat.submit("suspended", cmd)
         wait_for(lambda: ((plat.job(job).get("progress") or {}).get("step") or 0) >= a.suspend_at, 600, "progress")
         t_suspend = time.time()
         plat.http.post(f"/api/v1/jobs/{job}/suspend").raise_for_status()
-        wait_for(lambda: all(n["free_gpus"] == n["gpus"] for n in plat.http.get("/api/v1/nodes").json())
-                 and plat.job(job)["state"] == "queued", 300, "GPUs released", interval=0.05)
+
+        def released() -> bool:
+            state = plat.job(job)["state"]
+            if state in TERMINAL:  # it ended before it saw the request: a longer run is needed
+                raise RuntimeError(f"job {job} ended ({state}) before it was suspended; raise --steps")
+            return state == "queued" and all(n["free_gpus"] == n["gpus"] for n in plat.http.get("/api/v1/nodes").json())
+
+        wait_for(released, 300, "GPUs released", interval=0.05)
         result["suspend_to_gpus_released_s"] = round(time.time() - t_suspend, 3)
         suspended = plat.job(job)
         result["suspended_at_step"] = (suspended.get("last_checkpoint") or {}).get("step")
