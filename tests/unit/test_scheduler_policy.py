@@ -120,6 +120,26 @@ def test_quotas_are_never_exceeded(quotas, queue, expected):
     assert started_ids(d) == [c.id_of(n) for n in expected]
 
 
+def test_a_quota_filled_during_the_cycle_blocks_later_jobs_beside_a_generous_one():
+    # the cycle decides most jobs without a quota lookup while every cap has room for them;
+    # once a start fills group "tight", its later jobs must get the quota's reason, also on
+    # the fast path (their shape has already failed to place), while group "big" goes on
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
+    c.quota("big", "NORMAL", 1000).quota("tight", "NORMAL", 8)
+    c.queue(
+        job("t1").group("tight").user("ann").submitted(0),
+        job("b1").group("big").user("bob").submitted(1),
+        job("b2").group("big").user("bob").submitted(2),
+        job("t2").group("tight").user("ann").submitted(3),
+        job("t3").group("tight").user("cat").gpus(1).submitted(4),
+    )
+    d = schedule(c.snapshot(), policy(), NOW)
+    assert started_ids(d) == [c.id_of("t1"), c.id_of("b1")]
+    assert d.pending_reasons[c.id_of("t2")] == "group tight at NORMAL uses 8 of 8 GPUs; this job needs 8"
+    assert d.pending_reasons[c.id_of("t3")] == "group tight at NORMAL uses 8 of 8 GPUs; this job needs 1"
+    assert d.pending_reasons[c.id_of("b2")].startswith("needs 8 GPU(s) on one node")
+
+
 def test_job_larger_than_its_quota_says_so():
     c = one_node().quota("g", "NORMAL", 4).queue(job("a").group("g").gpus(8))
     d = schedule(c.snapshot(), policy(), NOW)
@@ -287,7 +307,7 @@ def test_planning_leaves_the_snapshot_unchanged():
 
 
 _ALLOWED_TOP = {
-    "__future__", "bisect", "collections", "dataclasses", "datetime", "enum", "functools", "heapq",
+    "__future__", "bisect", "gc", "collections", "dataclasses", "datetime", "enum", "functools", "heapq",
     "itertools", "math", "operator", "typing", "csv", "io", "re", "pydantic", "hai",
 }
 _FORBIDDEN = ("sqlalchemy", "redis", "celery", "httpx", "fastapi", "kubernetes")

@@ -24,6 +24,7 @@ quota-blocked, or has nothing left to wait for.
 
 from __future__ import annotations
 
+import gc
 import heapq
 from operator import attrgetter
 
@@ -47,7 +48,9 @@ _BY_RANK = list(Priority)
 _NORMAL_RANK = Priority.NORMAL.rank
 _RANK_BY_ID = {id(p): p.rank for p in Priority}
 _BY_ID = attrgetter("id")
-_BY_SUBMIT = attrgetter("first_submitted_at")  # identity lookup: enum hashing is slow in a hot loop
+_BY_SUBMIT = attrgetter("first_submitted_at")
+_BY_PRIORITY = attrgetter("priority")
+_RESERVED = attrgetter("reserved_nodes")  # identity lookup: enum hashing is slow in a hot loop
 
 
 def _rank(p: Priority) -> int:
@@ -61,8 +64,21 @@ def queue_order(job: QueuedJob) -> tuple:
 
 
 def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
-    """One scheduling cycle. Pure: reads ``snapshot`` (never mutates it), returns decisions."""
-    return _Cycle(snapshot, policy, now).run()
+    """One scheduling cycle. Pure: reads ``snapshot`` (never mutates it), returns decisions.
+
+    The cyclic garbage collector is paused for the cycle: a cycle allocates tens of thousands
+    of small objects (reasons, tuples, index entries) and creates no reference cycles that
+    must be collected meanwhile, so the collector's passes over them are pure overhead (about
+    6% of a cycle at Fire-Flyer scale). Reference counting still frees everything as usual.
+    """
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _Cycle(snapshot, policy, now).run()
+    finally:
+        if paused:
+            gc.enable()
 
 
 class _Cycle:
@@ -78,7 +94,7 @@ class _Cycle:
         # (two stable sorts with plain keys: faster than one sort on tuples)
         fifo = sorted(sorted(snapshot.queued, key=_BY_ID), key=_BY_SUBMIT)
         by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
-        pids = [id(j.priority) for j in fifo]
+        pids = list(map(id, map(_BY_PRIORITY, fifo)))
         if fifo and pids.count(pids[0]) == len(pids):  # one priority: the common case
             by_prio[pids[0]] = fifo
         else:
@@ -159,16 +175,15 @@ class _Cycle:
         self.owner: dict[str, int] = {}
         self.owner_rank: dict[int, int] = {}
         self.owned: dict[int, list[str]] = {}
-        for j in [q for q in self.queue if q.reserved_nodes]:
-            if j.reserved_nodes:
-                mine: list[str] = []
-                for name in j.reserved_nodes:
-                    if name in self.index.by_name and name not in self.owner:
-                        self.owner[name] = j.id
-                        mine.append(name)
-                if mine:
-                    self.owned[j.id] = mine
-                    self.owner_rank[j.id] = j.priority.rank
+        for j in filter(_RESERVED, self.queue):
+            mine: list[str] = []
+            for name in j.reserved_nodes:
+                if name in self.index.by_name and name not in self.owner:
+                    self.owner[name] = j.id
+                    mine.append(name)
+            if mine:
+                self.owned[j.id] = mine
+                self.owner_rank[j.id] = j.priority.rank
         self.index.fill(self.owner)
         # lowest priority among reservation owners (may be stale-low: only used to skip work)
         self.lowest_owner_rank = min(self.owner_rank.values(), default=None)
@@ -176,6 +191,7 @@ class _Cycle:
         self._table: RunningTable | None = None
         self._bounds: dict[int, tuple[int, int]] = {}
         self._held_cache: list[int] | None = None
+        self._maxfree = -1
         self.place_fail: dict[tuple, str] = {}
         self.plan_fail: dict[tuple, bool] = {}
         self.note_cache: dict[tuple, str] = {}
@@ -491,7 +507,9 @@ class _Cycle:
             eligible = lambda i: False
         if job.nodes == 1:
             singles = table.singles() if self.policy.preemption else None
-            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles)
+            if self._maxfree < 0:  # free GPUs only shrink during a cycle: one bound serves all plans
+                self._maxfree = max((len(s.free) for s in self.index.slots), default=0)
+            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles, self._maxfree)
         else:
             fast = same_user = None
             if self.policy.preemption and not pending:
@@ -732,7 +750,9 @@ class _Cycle:
                     continue
                 n, g = job.nodes, job.gpus_per_node
                 reason = place_fail.get((n, g, False))
-                if reason is None or (quota is not None and quota.blocked(job) is not None):
+                if reason is None or (
+                    quota is not None and n * g > quota.min_headroom and quota.blocked(job) is not None
+                ):
                     self._process(job, waiters)
                     continue
                 deferred = False

@@ -238,8 +238,10 @@ def plan_single(
     eligible: Callable[[int], bool],
     pending: list[int],
     singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None,
+    maxfree: int = -1,
 ) -> Plan | None:
-    """One node with ``gpus`` GPUs for the waiting job."""
+    """One node with ``gpus`` GPUs for the waiting job. ``maxfree``: an upper bound on the free
+    GPUs of any node (computed here when not given; a cycle's starts only ever lower it)."""
     scan: Sequence[NodeSlot] = index.slots
     if singles is not None and not pending:
         # the fewest victims is one whenever one victim suffices: take the one losing least.
@@ -247,7 +249,6 @@ def plan_single(
         # first: the first fit of each bucket, then the least lost of those (the same choice
         # as one scan of all pairs in (lost, GPUs, node, job) order)
         slots = index.slots
-        maxfree = -1
         best_single: tuple | None = None
         for g, bucket in singles.items():
             if g < gpus:

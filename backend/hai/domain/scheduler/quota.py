@@ -37,15 +37,27 @@ class QuotaBook:
         self.group_used: dict[tuple[str, int], int] = {}
         self.user_used: dict[tuple[str, int, str], int] = {}
         self._memo: dict[tuple, str | None] = {}  # answers since the last charge
+        # the least room left under any cap: a job needing no more GPUs than this is within
+        # every quota, whatever its bucket (the common case, decided without a lookup)
+        self.min_headroom: float = min([*self.group_limit.values(), *self.user_limit.values()], default=float("inf"))
 
     def charge(self, group: str, rank: int, user: str, gpus: int) -> None:
         if not self.enabled:
             return
         self._memo.clear()
         key = (group, rank)
-        self.group_used[key] = self.group_used.get(key, 0) + gpus
+        used = self.group_used[key] = self.group_used.get(key, 0) + gpus
         ukey = (group, rank, user)
-        self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
+        uused = self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
+        self._headroom(key, used, ukey, uused)
+
+    def _headroom(self, key: tuple[str, int], used: int, ukey: tuple[str, int, str], uused: int) -> None:
+        limit = self.group_limit.get(key)
+        if limit is not None and limit - used < self.min_headroom:
+            self.min_headroom = limit - used
+        ulimit = self.user_limit.get(ukey)
+        if ulimit is not None and ulimit - uused < self.min_headroom:
+            self.min_headroom = ulimit - uused
 
     def charge_all(self, running, ranks: list[int]) -> None:
         """Charge every running job (any sequence of RunningJob) at its effective rank."""
@@ -60,10 +72,18 @@ class QuotaBook:
             gu[key] = gu.get(key, 0) + gpus
             ukey = (r.group, rank, r.user)
             uu[ukey] = uu.get(ukey, 0) + gpus
+        for key, used in gu.items():
+            limit = self.group_limit.get(key)
+            if limit is not None and limit - used < self.min_headroom:
+                self.min_headroom = limit - used
+        for ukey, uused in uu.items():
+            ulimit = self.user_limit.get(ukey)
+            if ulimit is not None and ulimit - uused < self.min_headroom:
+                self.min_headroom = ulimit - uused
 
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
-        if not self.enabled:
+        if not self.enabled or job.nodes * job.gpus_per_node <= self.min_headroom:
             return None
         memo_key = (job.group, job.user, id(job.priority), job.nodes * job.gpus_per_node)
         got = self._memo.get(memo_key, _MISSING)
