@@ -8,6 +8,8 @@ while preemptible lower-priority jobs hold what it needs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import random
 
@@ -117,7 +119,7 @@ def _build(rng: random.Random, *, n_queued: int, allow_reservations: bool, allow
     if suspending and queued:
         # some suspending jobs are freeing GPUs for a queued job
         running = [
-            RunningJob(**{**r.__dict__, "suspend_requested_for": rng.choice(queued).id})
+            dataclasses.replace(r, suspend_requested_for=rng.choice(queued).id)
             if r.state == JobState.SUSPENDING and rng.random() < 0.7
             else r
             for r in running

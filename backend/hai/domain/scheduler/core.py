@@ -290,10 +290,8 @@ class _Cycle:
         if time_sharing:
             self._victim_facts(full=False)
             users = self.ts_users.get(rank)
-            if users:
-                for u in users:
-                    if u != job.user:
-                        return True
+            if users and len(users) > (job.user in users):  # a user other than the job's own
+                return True
         return False
 
     def _may_fit(self, job: QueuedJob) -> bool:
@@ -587,7 +585,8 @@ class _Cycle:
         variant = 0
         if ts_tried and not deferred and self.policy.preemption and rank in self.present_ranks:
             self._victim_facts(full=False)
-            variant = 2 if any(u != job.user for u in self.ts_users.get(rank, ())) else 1
+            users = self.ts_users.get(rank, {})
+            variant = 2 if len(users) > (job.user in users) else 1  # a user other than the job's own
         key = (rank, ts_tried, deferred, variant)
         got = self.note_cache.get(key)
         if got is not None:

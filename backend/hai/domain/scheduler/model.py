@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hai.domain.jobs import JobState, Priority
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeView:
     name: str
     zone: str
@@ -23,13 +23,13 @@ class NodeView:
     schedulable: bool = True  # False when draining, drained, unhealthy or lost
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Allocation:
     node: str
     gpus: tuple[int, ...]  # GPU indices on that node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunningJob:
     """A job that holds GPUs now (starting, running or suspending)."""
 
@@ -55,7 +55,7 @@ class RunningJob:
         return sum(len(a.gpus) for a in self.allocations)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class QueuedJob:
     id: int
     user: str
@@ -109,21 +109,21 @@ class Policy:
     max_preemptions_per_cycle: int = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Start:
     job_id: int
     allocations: tuple[Allocation, ...]
     reason: str  # why this placement was chosen
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Suspend:
     job_id: int
     reason: str
     for_job_id: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Demote:
     job_id: int
     to: Priority
