@@ -39,7 +39,18 @@ class QuotaBook:
         self._memo: dict[tuple, str | None] = {}  # answers since the last charge
         # the least room left under any cap: a job needing no more GPUs than this is within
         # every quota, whatever its bucket (the common case, decided without a lookup)
-        self.min_headroom: float = min([*self.group_limit.values(), *self.user_limit.values()], default=float("inf"))
+        self.min_headroom: float = float("inf")
+        self._recompute_headroom()
+
+    def _recompute_headroom(self) -> None:
+        gu, uu = self.group_used, self.user_used
+        self.min_headroom = min(
+            [
+                *(limit - gu.get(key, 0) for key, limit in self.group_limit.items()),
+                *(limit - uu.get(ukey, 0) for ukey, limit in self.user_limit.items()),
+            ],
+            default=float("inf"),
+        )
 
     def charge(self, group: str, rank: int, user: str, gpus: int) -> None:
         if not self.enabled:
@@ -49,9 +60,7 @@ class QuotaBook:
         used = self.group_used[key] = self.group_used.get(key, 0) + gpus
         ukey = (group, rank, user)
         uused = self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
-        self._headroom(key, used, ukey, uused)
-
-    def _headroom(self, key: tuple[str, int], used: int, ukey: tuple[str, int, str], uused: int) -> None:
+        # only these two buckets lost room
         limit = self.group_limit.get(key)
         if limit is not None and limit - used < self.min_headroom:
             self.min_headroom = limit - used
@@ -72,14 +81,7 @@ class QuotaBook:
             gu[key] = gu.get(key, 0) + gpus
             ukey = (r.group, rank, r.user)
             uu[ukey] = uu.get(ukey, 0) + gpus
-        for key, used in gu.items():
-            limit = self.group_limit.get(key)
-            if limit is not None and limit - used < self.min_headroom:
-                self.min_headroom = limit - used
-        for ukey, uused in uu.items():
-            ulimit = self.user_limit.get(ukey)
-            if ulimit is not None and ulimit - uused < self.min_headroom:
-                self.min_headroom = ulimit - uused
+        self._recompute_headroom()
 
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
