@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import gc
 import os
 import sys
 from pathlib import Path
@@ -322,6 +323,23 @@ def _imports(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
     return names
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_cycle_leaves_the_garbage_collector_as_it_found_it(enabled):
+    # schedule() pauses the cyclic collector while it runs; the caller's setting comes back,
+    # also when the cycle raises
+    c = one_node().queue(job("a").gpus(1))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        schedule(c.snapshot(), policy(), NOW)
+        assert gc.isenabled() is enabled
+        with pytest.raises(AttributeError):
+            schedule(None, policy(), NOW)  # type: ignore[arg-type]
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_scheduler_and_topology_are_pure_domain_code():
