@@ -106,8 +106,9 @@ def test_agent_killed_and_restarted_mid_job_reattaches(stack, tmp_path):
     assert pids_before
     pid, argv = _agent_pid(node)
     os.kill(pid, signal.SIGKILL)
-    # the job's processes live on without their agent
-    assert sorted(stack.job_processes(job["id"])) == pids_before
+    # the job's processes live on without their agent (every one seen before the kill is still
+    # there; bash may have forked its `sleep` in between, so the set may have grown)
+    assert set(pids_before) <= set(stack.job_processes(job["id"]))
     restarted = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                  stdout=(tmp_path / "agent2.log").open("w"), stderr=subprocess.STDOUT)
     try:
