@@ -507,7 +507,9 @@ class _Cycle:
             singles = table.singles() if self.policy.preemption else None
             if self._maxfree < 0:  # free GPUs only shrink during a cycle: one bound serves all plans
                 self._maxfree = max((len(s.free) for s in self.index.slots), default=0)
-            plan = plan_single(table, self.index, job.gpus_per_node, usable, eligible, pending, singles, self._maxfree)
+            plan = plan_single(
+                table, self.index, job.gpus_per_node, usable, eligible, pending, singles, maxfree=self._maxfree
+            )
         else:
             fast = same_user = None
             if self.policy.preemption and not pending:

@@ -238,10 +238,11 @@ def plan_single(
     eligible: Callable[[int], bool],
     pending: list[int],
     singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None,
-    maxfree: int = -1,
+    *,
+    maxfree: int,
 ) -> Plan | None:
     """One node with ``gpus`` GPUs for the waiting job. ``maxfree``: an upper bound on the free
-    GPUs of any node (computed here when not given; a cycle's starts only ever lower it)."""
+    GPUs of any node (a cycle's starts only ever lower it, so one bound serves a whole cycle)."""
     scan: Sequence[NodeSlot] = index.slots
     if singles is not None and not pending:
         # the fewest victims is one whenever one victim suffices: take the one losing least.
@@ -251,11 +252,8 @@ def plan_single(
         slots = index.slots
         best_single: tuple | None = None
         for g, bucket in singles.items():
-            if g < gpus:
-                if maxfree < 0:
-                    maxfree = max((len(s.free) for s in slots), default=0)
-                if g + maxfree < gpus:
-                    continue  # no node has enough free GPUs beside a victim of this size
+            if g + maxfree < gpus:
+                continue  # no node has enough free GPUs beside a victim of this size
             for entry in bucket:
                 if best_single is not None and entry > best_single:
                     break

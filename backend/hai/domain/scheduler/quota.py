@@ -39,12 +39,11 @@ class QuotaBook:
         self._memo: dict[tuple, str | None] = {}  # answers since the last charge
         # the least room left under any cap: a job needing no more GPUs than this is within
         # every quota, whatever its bucket (the common case, decided without a lookup)
-        self.min_headroom: float = float("inf")
-        self._recompute_headroom()
+        self.min_headroom: float = self._least_headroom()
 
-    def _recompute_headroom(self) -> None:
+    def _least_headroom(self) -> float:
         gu, uu = self.group_used, self.user_used
-        self.min_headroom = min(
+        return min(
             [
                 *(limit - gu.get(key, 0) for key, limit in self.group_limit.items()),
                 *(limit - uu.get(ukey, 0) for ukey, limit in self.user_limit.items()),
@@ -81,7 +80,7 @@ class QuotaBook:
             gu[key] = gu.get(key, 0) + gpus
             ukey = (r.group, rank, r.user)
             uu[ukey] = uu.get(ukey, 0) + gpus
-        self._recompute_headroom()
+        self.min_headroom = self._least_headroom()
 
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
