@@ -35,11 +35,13 @@ from hai.protocol import (
     Assignment,
     AttemptStatus,
     CheckpointInfo,
+    DesiredAction,
     GpuMetrics,
     LaunchSpec,
     NicInfo,
     ProgressInfo,
     RankStatus,
+    StopCause,
 )
 
 log = logging.getLogger("hai.agent")
@@ -92,7 +94,7 @@ class Attempt:
     launch_error: str | None = None
     suspend_requested_at: float | None = None
     ready_at: float | None = None
-    stop_cause: str | None = None
+    stop_cause: StopCause | str | None = None
     stopped_reason: str | None = None
     term_sent_at: float | None = None
     kill_sent: bool = False
@@ -100,7 +102,7 @@ class Attempt:
     checkpoint: CheckpointInfo | None = None
     progress: ProgressInfo | None = None
     # not persisted
-    assigned: str | None = "unknown"  # the action of the last applied reply; None: not assigned
+    assigned: DesiredAction | str | None = "unknown"  # the action of the last applied reply; None: not assigned
     final_reported: bool = False
     drained: bool = False
     attached_at: float = 0.0  # when this agent process took charge (launch or reattach)
@@ -274,7 +276,7 @@ class NodeAgent:
                 att = self.attempts.get(key)
                 if att is None:
                     if key in self.pending:
-                        if a.action == "run":
+                        if a.action == DesiredAction.RUN:
                             self.pending[key] = a
                             continue
                         del self.pending[key]
@@ -286,7 +288,7 @@ class NodeAgent:
                     if ghost is not None:  # finished and forgotten: never launch it twice
                         self.ghosts[key] = ghost
                         continue
-                    if a.action == "run":
+                    if a.action == DesiredAction.RUN:
                         self._launch_or_defer(a)
                     else:
                         self._not_launched(a)
@@ -294,12 +296,12 @@ class NodeAgent:
                 att.assigned = a.action
                 if att.finished:
                     continue
-                if a.action == "stop":
-                    self._stop(att, "requested", "stop requested by the server")
-                elif a.action == "suspend":
+                if a.action == DesiredAction.STOP:
+                    self._stop(att, StopCause.REQUESTED, "stop requested by the server")
+                elif a.action == DesiredAction.SUSPEND:
                     if att.suspend_requested_at is None and not att.stopping:
                         self._request_suspend(att)
-                elif a.action == "run":
+                elif a.action == DesiredAction.RUN:
                     if att.suspend_requested_at is not None and att.ready_at is None and not att.stopping:
                         self._cancel_suspend(att)
             for key, att in self.attempts.items():
@@ -308,7 +310,7 @@ class NodeAgent:
                 att.assigned = None
                 if not att.finished and not att.stopping:
                     if sent_at is None or att.attached_at <= sent_at:
-                        self._stop(att, "unassigned", "the server no longer assigns this attempt")
+                        self._stop(att, StopCause.UNASSIGNED, "the server no longer assigns this attempt")
             for key in [k for k in self.pending if k not in wanted]:
                 del self.pending[key]
             for key in [k for k in self.ghosts if k not in wanted]:
@@ -319,7 +321,7 @@ class NodeAgent:
         """stop/suspend for an attempt this node never launched: report that nothing ran here
         (and remember it, so a stale 'run' can never launch it afterwards)."""
         now = self.clock()
-        st = AttemptStatus(job_id=a.job_id, attempt=a.attempt, finished=True, stop_cause="not_launched",
+        st = AttemptStatus(job_id=a.job_id, attempt=a.attempt, finished=True, stop_cause=StopCause.NOT_LAUNCHED,
                            stopped_reason=f"{a.action} arrived before this node launched the attempt",
                            finished_at=now)
         key = (a.job_id, a.attempt)
@@ -413,11 +415,11 @@ class NodeAgent:
         log.info("launched job %s attempt %s (%s, %d rank(s) here: %s)", a.job_id, a.attempt, spec.job_type,
                  len(att.ranks), ", ".join(f"rank {r.rank} pid {r.pid}" for r in att.ranks))
         if att.launch_error:
-            self._stop(att, "rank_failed", att.launch_error)
-        if a.action == "suspend":
+            self._stop(att, StopCause.RANK_FAILED, att.launch_error)
+        if a.action == DesiredAction.SUSPEND:
             self._request_suspend(att)
-        elif a.action == "stop":
-            self._stop(att, "requested", "stop requested by the server")
+        elif a.action == DesiredAction.STOP:
+            self._stop(att, StopCause.REQUESTED, "stop requested by the server")
         self.on_change()
 
     # ------------------------------------------------------------------ suspend / stop
@@ -576,25 +578,25 @@ class NodeAgent:
                     alive = [r for r in att.ranks if not r.ended]
                     if failed and alive:
                         r0 = failed[0]
-                        self._stop(att, "rank_failed", f"rank {r0.rank} exited with code {r0.exit_code}")
+                        self._stop(att, StopCause.RANK_FAILED, f"rank {r0.rank} exited with code {r0.exit_code}")
                     elif att.ready_at is not None and alive:
                         if now - att.ready_at >= min(READY_EXIT_WINDOW_S, self._grace(att)):
-                            self._stop(att, "suspend", "stopped after the job called suspend_ready()")
+                            self._stop(att, StopCause.SUSPEND, "stopped after the job called suspend_ready()")
                     elif att.suspend_requested_at is not None and alive and att.ready_at is None:
                         if now - att.suspend_requested_at >= att.spec.suspend_grace_s:
-                            self._stop(att, "suspend_timeout",
+                            self._stop(att, StopCause.SUSPEND_TIMEOUT,
                                        f"the job did not call suspend_ready() within suspend_grace_s="
                                        f"{att.spec.suspend_grace_s:g}s")
                 if not att.stopping and att.started_at is not None and any(not r.ended for r in att.ranks):
                     ms = att.spec.max_runtime_s
                     if ms is not None and now - att.started_at >= ms:
-                        self._stop(att, "max_runtime", f"max_runtime_s={ms:g}s exceeded")
+                        self._stop(att, StopCause.MAX_RUNTIME, f"max_runtime_s={ms:g}s exceeded")
                     wd = att.spec.log_watchdog_s
                     if wd is not None and not att.stopping:
                         last = max(att.started_at, att.attached_at,
                                    (att.tail.last_output_at or 0.0) if att.tail else 0.0)
                         if now - last >= wd:
-                            self._stop(att, "log_watchdog", f"no output for log_watchdog_s={wd:g}s")
+                            self._stop(att, StopCause.LOG_WATCHDOG, f"no output for log_watchdog_s={wd:g}s")
                 if att.stopping and not att.kill_sent and now - (att.term_sent_at or now) >= self._grace(att):
                     for r in att.ranks:
                         if not r.ended and r.pid is not None and self._rank_alive(r):
@@ -700,7 +702,7 @@ class NodeAgent:
     def stop_all(self, reason: str = "the agent is shutting down") -> None:
         with self.lock:
             for att in self.attempts.values():
-                self._stop(att, "requested", reason)
+                self._stop(att, StopCause.REQUESTED, reason)
 
     def running(self) -> bool:
         with self.lock:

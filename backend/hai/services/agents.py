@@ -24,6 +24,7 @@ from hai.protocol import (
     AgentHello,
     Assignment,
     AttemptStatus,
+    DesiredAction,
     Heartbeat,
     LaunchSpec,
     ServerReply,
@@ -105,14 +106,14 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
 
 
 # -- assignments ---------------------------------------------------------------------------
-def _action(job: Job, alloc: JobAllocation) -> str:
+def _action(job: Job, alloc: JobAllocation) -> DesiredAction:
     if alloc.attempt != job.attempt:
-        return "stop"
-    if job.state in (JobState.STARTING.value, JobState.RUNNING.value) and job.desired_action == "run":
-        return "run"
+        return DesiredAction.STOP
+    if job.state in (JobState.STARTING.value, JobState.RUNNING.value) and job.desired_action == DesiredAction.RUN:
+        return DesiredAction.RUN
     if job.state == JobState.SUSPENDING.value:
-        return "suspend"
-    return "stop"
+        return DesiredAction.SUSPEND
+    return DesiredAction.STOP
 
 
 def _expected_ranks(job: Job) -> int:
@@ -208,7 +209,7 @@ def _reconcile(
     # hold: nothing runs there any more.
     if agent_digest is not None and agent_digest == digest(assignments_for(session, node, settings)):
         for key, alloc in active.items():
-            if key not in reported and alloc.active and _action(alloc.job, alloc) == "stop":
+            if key not in reported and alloc.active and _action(alloc.job, alloc) == DesiredAction.STOP:
                 _release(alloc, now)
                 touched[alloc.job.id] = alloc.job
     for job in touched.values():
