@@ -150,3 +150,27 @@ def test_a_node_is_done_when_nothing_runs_and_nothing_more_will_start():
     assert node(0, ex(r0=0), finished=True).done_with(2)
     assert node(0, launch_error="x").done_with(8)
     assert not node(0, run(0) + ex(r1=0)).done_with(2)
+
+
+# -- what the agents are told ---------------------------------------------------------------
+from hai.domain.jobs import assignment_action  # noqa: E402
+from hai.protocol import DesiredAction  # noqa: E402
+
+A = DesiredAction
+
+
+@pytest.mark.parametrize(("state", "desired", "current", "action"), [
+    (S.STARTING, A.RUN, True, A.RUN),
+    (S.RUNNING, A.RUN, True, A.RUN),
+    (S.RUNNING, A.RUN, False, A.STOP),  # an older attempt of the job
+    (S.SUSPENDING, A.SUSPEND, True, A.SUSPEND),
+    (S.SUSPENDING, A.SUSPEND, False, A.STOP),
+    (S.RUNNING, A.STOP, True, A.STOP),
+    (S.CANCELLED, A.STOP, True, A.STOP),
+    (S.FAILED, A.STOP, True, A.STOP),
+    (S.SUCCEEDED, A.STOP, True, A.STOP),
+    (S.QUEUED, A.RUN, True, A.STOP),  # requeued: whatever still runs of it stops
+])
+def test_the_action_an_agent_is_told(state, desired, current, action):
+    assert assignment_action(state, desired, current_attempt=current) == action
+    assert assignment_action(state, desired.value, current_attempt=current) == action  # as read from the column

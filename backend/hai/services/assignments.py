@@ -15,19 +15,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job, JobAllocation
-from hai.domain.jobs import JobState
+from hai.domain.jobs import JobState, assignment_action
 from hai.protocol import Assignment, DesiredAction, LaunchSpec
 from hai.settings import Settings
 
 
 def action_for(job: Job, alloc: JobAllocation) -> DesiredAction:
-    if alloc.attempt != job.attempt:
-        return DesiredAction.STOP
-    if job.state in (JobState.STARTING.value, JobState.RUNNING.value) and job.desired_action == DesiredAction.RUN:
-        return DesiredAction.RUN
-    if job.state == JobState.SUSPENDING.value:
-        return DesiredAction.SUSPEND
-    return DesiredAction.STOP
+    return assignment_action(JobState(job.state), job.desired_action, current_attempt=alloc.attempt == job.attempt)
 
 
 def expected_ranks(job: Job) -> int:
