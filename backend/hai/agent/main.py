@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
-from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected, ServerUnavailable
+from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected
 from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
 from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, Node
+from hai.db.models import JobAllocation, Node
 from hai.domain.jobs import ACTIVE_STATES, JobState
 from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, Heartbeat, ServerReply
 from hai.services import notify, reports
