@@ -1,9 +1,12 @@
 """The agent process: handshake, heartbeats (long poll), supervision, log tailing and shipping.
 
-Threads: the caller's thread runs the reporter loop (register, heartbeats, applying replies);
-``hai-agent-supervise`` ticks the NodeAgent (rank exits, suspend handshake, deadlines);
-``hai-agent-tail`` reads the ranks' log files into the bounded buffer; ``hai-agent-logs`` ships
-the buffer to the server; ``hai-agent-poll`` holds the long-poll heartbeat.
+Threads: the caller's thread runs the reporter loop, ``Agent._reporter`` — the one heartbeat
+loop (register, heartbeats, applying replies); ``Agent.periodic`` lists the rounds that run
+beside it, one thread each: ``hai-agent-supervise`` ticks the NodeAgent (rank exits, suspend
+handshake, deadlines), ``hai-agent-tail`` reads the ranks' log files into the bounded buffer
+(a validator round or a fault injector is one more entry); ``hai-agent-logs`` ships the buffer
+to the server; ``hai-agent-poll`` holds the long-poll heartbeat. Configuration: one
+``AgentOptions``.
 
 Heartbeats: one long poll (``wait_s``) is in flight at a time; when the local state changes (a
 rank exits, the job says suspend_ready, a checkpoint is reported) the reporter sends a short
