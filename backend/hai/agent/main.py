@@ -1,9 +1,12 @@
 """The agent process: handshake, heartbeats (long poll), supervision, log tailing and shipping.
 
-Threads: the caller's thread runs the reporter loop (register, heartbeats, applying replies);
-``hai-agent-supervise`` ticks the NodeAgent (rank exits, suspend handshake, deadlines);
-``hai-agent-tail`` reads the ranks' log files into the bounded buffer; ``hai-agent-logs`` ships
-the buffer to the server; ``hai-agent-poll`` holds the long-poll heartbeat.
+Threads: the caller's thread runs the reporter loop, ``Agent._reporter`` — the one heartbeat
+loop (register, heartbeats, applying replies); ``Agent.periodic`` lists the rounds that run
+beside it, one thread each: ``hai-agent-supervise`` ticks the NodeAgent (rank exits, suspend
+handshake, deadlines), ``hai-agent-tail`` reads the ranks' log files into the bounded buffer
+(a validator round or a fault injector is one more entry); ``hai-agent-logs`` ships the buffer
+to the server; ``hai-agent-poll`` holds the long-poll heartbeat. Configuration: one
+``AgentOptions``.
 
 Heartbeats: one long poll (``wait_s``) is in flight at a time; when the local state changes (a
 rank exits, the job says suspend_ready, a checkpoint is reported) the reporter sends a short
@@ -23,11 +26,12 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
-from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected, ServerUnavailable
+from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected
 from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
 from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
@@ -78,49 +82,89 @@ class _Result:
     error: Exception | None = None
 
 
+@dataclass(frozen=True)
+class AgentOptions:
+    """Everything an agent is configured with (``hai agent`` options, or a test's keywords).
+
+    ``fake_gpus`` N: N fake GPUs (their utilisation follows the running ranks); None: NVML.
+    ``gpu_indices``: use only these NVML GPUs (default: env HAI_AGENT_GPUS="0,1", else all) —
+    e.g. two agents on one host standing for two nodes.
+    ``checkpoint_root``: where HAI_CHECKPOINT_DIR lives (default: env HAI_CHECKPOINT_ROOT, else
+    <state_dir>/jobs); set it to a shared filesystem so a job can resume on another node.
+    ``heartbeat_wait_s``: long-poll time; rank exits, suspend_ready and checkpoints are reported
+    at once regardless, progress within ``status_refresh_s``.
+    ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
+    running and a restarted agent reattaches to them.
+    """
+
+    server: str
+    token: str
+    node: str
+    state_dir: str
+    zone: str | None = None
+    leaf: str | None = None
+    fake_gpus: int | None = None
+    gpu_indices: list[int] | None = None
+    address: str | None = None
+    heartbeat_wait_s: float = 10.0
+    checkpoint_root: str | None = None
+    kill_grace_s: float = 10.0
+    stop_jobs_on_exit: bool = False
+    backoff_max_s: float = 10.0
+    log_buffer_lines: int = 10000
+    status_refresh_s: float = 5.0
+    sysfs: str = "/sys"
+
+    def gpu_backend(self) -> GpuBackend:
+        indices = self.gpu_indices
+        if indices is None and os.environ.get("HAI_AGENT_GPUS"):
+            indices = [int(x) for x in os.environ["HAI_AGENT_GPUS"].split(",") if x.strip()]
+        return make_gpu_backend(fake_gpus=self.fake_gpus, node=self.node, indices=indices)
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """A round the agent runs in its own thread every ``period_s`` (sooner again while ``fn``
+    returns True: more work is waiting)."""
+
+    name: str
+    fn: Callable[[], object]
+    period_s: float
+
+
 class Agent:
-    def __init__(
-        self,
-        *,
-        server: str,
-        token: str,
-        node: str,
-        zone: str | None,
-        leaf: str | None,
-        gpus: GpuBackend,
-        state_dir: str,
-        address: str | None = None,
-        heartbeat_wait_s: float = 10.0,
-        stop_event: threading.Event | None = None,
-        checkpoint_root: str | None = None,
-        kill_grace_s: float = 10.0,
-        stop_jobs_on_exit: bool = False,
-        backoff_max_s: float = 10.0,
-        log_buffer_lines: int = 10000,
-        status_refresh_s: float = 5.0,
-        sysfs: str = "/sys",
-    ):
-        self.server = server
-        self.token = token
-        self.node_name = node
-        self.zone, self.leaf = zone, leaf
-        self.address = address or detect_address(server)
-        self.wait_s = max(0.0, min(60.0, heartbeat_wait_s))
+    """One node's agent. ``run()`` holds the heartbeat loop (``_reporter``: register, heartbeats,
+    applying replies) in the caller's thread; the other rounds (supervision, log tailing) are
+    the ``periodic`` list, one thread each: add a round there (a validator, a fault injector)."""
+
+    def __init__(self, options: AgentOptions, *, gpus: GpuBackend | None = None,
+                 stop_event: threading.Event | None = None):
+        o = self.options = options
+        self.server = o.server
+        self.token = o.token
+        self.node_name = o.node
+        self.zone, self.leaf = o.zone, o.leaf
+        self.address = o.address or detect_address(o.server)
+        self.wait_s = max(0.0, min(60.0, o.heartbeat_wait_s))
         self.stop = stop_event or threading.Event()
-        self.stop_jobs_on_exit = stop_jobs_on_exit
-        self.backoff = Backoff(cap_s=backoff_max_s)
-        self.backoff_max_s = backoff_max_s
-        self.gpus = gpus
-        self.nics = discover_nics(sysfs)
-        self.buf = LogBuffer(max_lines=log_buffer_lines)
+        self.stop_jobs_on_exit = o.stop_jobs_on_exit
+        self.backoff = Backoff(cap_s=o.backoff_max_s)
+        self.backoff_max_s = o.backoff_max_s
+        self.gpus = gpus if gpus is not None else o.gpu_backend()
+        self.nics = discover_nics(o.sysfs)
+        self.buf = LogBuffer(max_lines=o.log_buffer_lines)
         self._dirty = threading.Event()
         self._soft = threading.Event()  # progress changed: report within status_refresh_s
-        self.status_refresh_s = status_refresh_s
+        self.status_refresh_s = o.status_refresh_s
         self._last_sent = 0.0
         self._wake = threading.Event()
-        self.node = NodeAgent(node=node, state_dir=state_dir, gpus=gpus, nics=self.nics, log_buffer=self.buf,
-                              checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s, sysfs=sysfs,
+        self.node = NodeAgent(node=o.node, state_dir=o.state_dir, gpus=self.gpus, nics=self.nics, log_buffer=self.buf,
+                              checkpoint_root=o.checkpoint_root, kill_grace_s=o.kill_grace_s, sysfs=o.sysfs,
                               on_change=self._changed, on_progress=self._soft.set)
+        self.periodic: list[Periodic] = [
+            Periodic("hai-agent-supervise", self.node.tick, 0.1),
+            Periodic("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1),
+        ]
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
@@ -233,8 +277,7 @@ class Agent:
         threads = []
         try:
             self.node.recover()
-            threads.append(self._loop("hai-agent-supervise", lambda: self.node.tick(), 0.1))
-            threads.append(self._loop("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1))
+            threads.extend(self._loop(p.name, p.fn, p.period_s) for p in self.periodic)
             shipper.start()
             log.info("agent %s starting: server %s, %d %sGPU(s), state dir %s", self.node_name, self.server,
                      len(self.node.gpu_inventory), "fake " if self.gpus.fake else "", self.node.state_dir)
@@ -335,47 +378,18 @@ class Agent:
                 self._wake.wait(timeout)
 
 
-def run_agent(
-    *,
-    server: str,
-    token: str,
-    node: str,
-    zone: str | None,
-    leaf: str | None,
-    fake_gpus: int | None,
-    state_dir: str,
-    address: str | None = None,
-    heartbeat_wait_s: float = 10.0,
-    stop_event: threading.Event | None = None,
-    gpu_indices: list[int] | None = None,
-    checkpoint_root: str | None = None,
-    kill_grace_s: float = 10.0,
-    stop_jobs_on_exit: bool = False,
-    backoff_max_s: float = 10.0,
-    log_buffer_lines: int = 10000,
-    status_refresh_s: float = 5.0,
-) -> None:
+def run_agent(options: AgentOptions | None = None, *, stop_event: threading.Event | None = None, **fields) -> None:
     """Run a node agent until ``stop_event`` is set or SIGTERM/SIGINT (main thread only).
 
-    ``fake_gpus`` N: N fake GPUs (their utilisation follows the running ranks); None: NVML.
-    ``gpu_indices``: use only these NVML GPUs (default: env HAI_AGENT_GPUS="0,1", else all) —
-    e.g. two agents on one host standing for two nodes.
-    ``checkpoint_root``: where HAI_CHECKPOINT_DIR lives (default: env HAI_CHECKPOINT_ROOT, else
-    <state_dir>/jobs); set it to a shared filesystem so a job can resume on another node.
-    ``heartbeat_wait_s``: long-poll time; rank exits, suspend_ready and checkpoints are reported
-    at once regardless, progress within ``status_refresh_s``.
-    ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
-    running and a restarted agent reattaches to them.
+    Configured by ``options``, or by its fields as keywords (``run_agent(server=..., token=...,
+    node=..., state_dir=..., fake_gpus=2)``); see :class:`AgentOptions`.
     Raises SystemExit with a clear message when the server refuses the protocol version (426).
     """
-    if gpu_indices is None and os.environ.get("HAI_AGENT_GPUS"):
-        gpu_indices = [int(x) for x in os.environ["HAI_AGENT_GPUS"].split(",") if x.strip()]
-    gpus = make_gpu_backend(fake_gpus=fake_gpus, node=node, indices=gpu_indices)
-    agent = Agent(server=server, token=token, node=node, zone=zone, leaf=leaf, gpus=gpus, state_dir=state_dir,
-                  address=address, heartbeat_wait_s=heartbeat_wait_s, stop_event=stop_event,
-                  checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s,
-                  stop_jobs_on_exit=stop_jobs_on_exit, backoff_max_s=backoff_max_s,
-                  log_buffer_lines=log_buffer_lines, status_refresh_s=status_refresh_s)
+    if options is None:
+        options = AgentOptions(**fields)
+    elif fields:
+        options = replace(options, **fields)
+    agent = Agent(options, stop_event=stop_event)
     try:
         agent.run()
     except ProtocolVersionUnsupported as e:

@@ -98,7 +98,7 @@ def agent(
     stop_jobs_on_exit: Annotated[bool, typer.Option(help="stop running jobs when the agent exits")] = False,
 ) -> None:
     """Run the node agent."""
-    from hai.agent.main import run_agent
+    from hai.agent.main import AgentOptions, run_agent
 
     indices = None
     if gpus:
@@ -107,11 +107,11 @@ def agent(
         except ValueError:
             raise typer.BadParameter(f"--gpus expects indices like 0,1; got {gpus!r}") from None
     _logging()
-    run_agent(
+    run_agent(AgentOptions(
         server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
         state_dir=str(state_dir), address=address, gpu_indices=indices, checkpoint_root=checkpoint_root,
         kill_grace_s=kill_grace_s, stop_jobs_on_exit=stop_jobs_on_exit,
-    )
+    ))
 
 
 @app.command()

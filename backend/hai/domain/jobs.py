@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from hai.protocol.vocab import DesiredAction
+
 
 class JobState(str, Enum):
     QUEUED = "queued"
@@ -125,3 +127,15 @@ def check_transition(current: JobState, target: JobState) -> None:
     """Raise IllegalTransition unless current -> target is in the table."""
     if target not in _TRANSITIONS[current]:
         raise IllegalTransition(current, target)
+
+
+def assignment_action(state: JobState, desired: DesiredAction | str, *, current_attempt: bool) -> DesiredAction:
+    """What an agent holding one of the job's attempts is told to do with it: an older attempt
+    and a job that is neither starting, running (and meant to run) nor suspending is stopped."""
+    if not current_attempt:
+        return DesiredAction.STOP
+    if state in (JobState.STARTING, JobState.RUNNING) and desired == DesiredAction.RUN:
+        return DesiredAction.RUN
+    if state == JobState.SUSPENDING:
+        return DesiredAction.SUSPEND
+    return DesiredAction.STOP

@@ -4,6 +4,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hai.protocol.vocab import DesiredAction, StopCause
+
 PROTOCOL_VERSION = 1
 # The server accepts agents speaking any of these versions.
 SUPPORTED_VERSIONS = frozenset({1})
@@ -11,6 +13,8 @@ SUPPORTED_VERSIONS = frozenset({1})
 __all__ = [
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
+    "DesiredAction",
+    "StopCause",
     "GpuInfo",
     "GpuMetrics",
     "NicInfo",
@@ -92,12 +96,10 @@ class AttemptStatus(_Msg):
     # every rank of this attempt on this node has ended (or it could not be launched); the status
     # is final and the agent keeps sending it until the attempt is no longer assigned.
     finished: bool = False
-    # machine-readable companion of stopped_reason: "requested" (a stop assignment), "suspend"
-    # (stopped after suspend_ready), "suspend_timeout" (suspend_grace_s expired first),
-    # "max_runtime", "log_watchdog", "rank_failed" (another rank of the attempt failed),
-    # "unassigned" (the server no longer assigns it), "not_launched" (stop/suspend arrived for an
-    # attempt this node never launched: nothing ran here).
-    stop_cause: str | None = None
+    # machine-readable companion of stopped_reason (StopCause: "requested", "suspend",
+    # "suspend_timeout", "max_runtime", "log_watchdog", "rank_failed", "unassigned",
+    # "not_launched"). A cause this side does not know (a newer peer) stays a plain string.
+    stop_cause: StopCause | str | None = Field(default=None, union_mode="left_to_right")
     started_at: float | None = None  # epoch seconds when the ranks were launched
     finished_at: float | None = None  # epoch seconds when the last rank here ended
     suspend_requested_at: float | None = None  # when the agent delivered the suspend request
@@ -155,10 +157,10 @@ class LaunchSpec(_Msg):
 class Assignment(_Msg):
     job_id: int
     attempt: int
-    # run: keep the ranks running (launch them if they are not);
-    # suspend: ask the job to checkpoint (SDK), stop it once ready or after suspend_grace_s;
-    # stop: stop every rank now (SIGTERM, then SIGKILL after the grace period)
-    action: Literal["run", "suspend", "stop"]
+    # DesiredAction: run (keep the ranks running, launch them if they are not); suspend (ask the
+    # job to checkpoint through the SDK, stop it once ready or after suspend_grace_s); stop (stop
+    # every rank now: SIGTERM, then SIGKILL after the grace period)
+    action: DesiredAction
     spec: LaunchSpec
 
 

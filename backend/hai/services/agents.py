@@ -1,15 +1,16 @@
-"""The server side of the agent protocol: handshake, heartbeat reconciliation, assignments,
-and the reaper that marks silent nodes lost.
+"""The server side of the agent protocol: the handshake, heartbeats (apply the agent's report,
+answer with the node's assignments), and the reaper that marks silent nodes lost.
 
-The agent reports the full state of every attempt it holds; reconciling a report is
-idempotent. Each job's state follows from its allocations' reports; GPUs stay held
-(allocation ``active``) until the agent says the ranks on that node are gone.
+What a report means for a job lives in ``services.reports`` (rules: ``hai.domain.outcomes``);
+what a node should run in ``services.assignments``. A heartbeat builds the node's assignment
+list once (one query of its active allocations, which the report is applied to; the list is
+built from those still active): it is both what the agent's digest is checked against
+(an agent holding exactly that list and not reporting a ``stop`` attempt has nothing of it
+running: its GPUs are released) and the reply.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from datetime import datetime, timedelta
 
@@ -17,18 +18,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, Node
+from hai.db.models import JobAllocation, Node
 from hai.domain.jobs import ACTIVE_STATES, JobState
-from hai.protocol import (
-    SUPPORTED_VERSIONS,
-    AgentHello,
-    Assignment,
-    AttemptStatus,
-    Heartbeat,
-    LaunchSpec,
-    ServerReply,
-)
-from hai.services import notify
+from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, Heartbeat, ServerReply
+from hai.services import notify, reports
+from hai.services.assignments import active_allocations, assigned, assignments_for, digest
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit, transition
 from hai.settings import Settings
@@ -69,8 +63,9 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
         node.state = "ready"
         node.state_reason = "agent registered again"
     session.flush()
-    _reconcile(session, node, hello.attempts, agent_digest=None, now=now, settings=settings)
-    reply = _reply(session, node, settings)
+    allocs = active_allocations(session, node.name)
+    reports.apply_reports(session, allocs, hello.attempts, now=now)
+    reply = _reply(node, [a for _, a in assigned(allocs, settings)], settings)
     publish_after_commit(session, notify.SCHEDULER)
     session.commit()
     return reply
@@ -89,8 +84,14 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     node.last_heartbeat_at = now
     if hb.gpus:
         node.gpu_metrics = [g.model_dump() for g in hb.gpus]
-    _reconcile(session, node, hb.attempts, agent_digest=hb.assignments_digest, now=now, settings=settings)
-    reply = _reply(session, node, settings)
+    allocs = active_allocations(session, node.name)
+    reported = reports.apply_reports(session, allocs, hb.attempts, now=now)
+    held = assigned(allocs, settings)
+    if hb.assignments_digest is not None and hb.assignments_digest == digest([a for _, a in held]):
+        held, changed = reports.release_unreported_stops(session, held, reported, now=now)
+        if changed:  # rare: a job moved on; its other allocations' actions may read differently
+            held = assigned(allocs, settings)
+    reply = _reply(node, [a for _, a in held], settings)
     session.commit()
     return reply
 
@@ -99,246 +100,18 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
     node = session.scalar(select(Node).where(Node.name == node_name))
     if node is None or node.state == "lost":
         return ServerReply(node=node_name, assignments_digest="", reregister=True)
-    reply = _reply(session, node, settings)
+    reply = _reply(node, assignments_for(session, node.name, settings), settings)
     session.commit()
     return reply
 
 
-# -- assignments ---------------------------------------------------------------------------
-def _action(job: Job, alloc: JobAllocation) -> str:
-    if alloc.attempt != job.attempt:
-        return "stop"
-    if job.state in (JobState.STARTING.value, JobState.RUNNING.value) and job.desired_action == "run":
-        return "run"
-    if job.state == JobState.SUSPENDING.value:
-        return "suspend"
-    return "stop"
-
-
-def _expected_ranks(job: Job) -> int:
-    return 1 if job.job_type == "command" else job.gpus_per_node
-
-
-def _launch_spec(job: Job, alloc: JobAllocation, settings: Settings) -> LaunchSpec:
-    ckpt = job.last_checkpoint or {}
-    return LaunchSpec(
-        job_name=job.name,
-        user=job.user_name,
-        command=list(job.command),
-        env=dict(job.env or {}),
-        job_type=job.job_type,  # type: ignore[arg-type]
-        gpus=list(alloc.gpus),
-        node_rank=alloc.node_rank,
-        nnodes=job.nodes,
-        gpus_per_node=job.gpus_per_node,
-        master_addr=job.master_addr or "127.0.0.1",
-        master_port=job.master_port or settings.agent.master_port_base,
-        restart_count=max(0, alloc.attempt - 1),
-        resume_from=ckpt.get("path") if alloc.attempt > 1 else None,
-        suspend_grace_s=job.suspend_grace_s,
-        log_watchdog_s=job.log_watchdog_s,
-        max_runtime_s=job.max_runtime_s,
-        stop_grace_s=settings.agent.stop_grace_s,
-    )
-
-
-def assignments_for(session: Session, node: Node, settings: Settings) -> list[Assignment]:
-    allocs = list(
-        session.scalars(
-            select(JobAllocation)
-            .where(JobAllocation.node_name == node.name, JobAllocation.active.is_(True))
-            .order_by(JobAllocation.job_id, JobAllocation.attempt)
-        )
-    )
-    out = []
-    for alloc in allocs:
-        job = alloc.job
-        out.append(
-            Assignment(job_id=job.id, attempt=alloc.attempt, action=_action(job, alloc), spec=_launch_spec(job, alloc, settings))  # type: ignore[arg-type]
-        )
-    return out
-
-
-def digest(assignments: list[Assignment]) -> str:
-    payload = json.dumps([a.model_dump(mode="json") for a in assignments], sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
-
-
-def _reply(session: Session, node: Node, settings: Settings) -> ServerReply:
-    assignments = assignments_for(session, node, settings)
+def _reply(node: Node, assignments: list[Assignment], settings: Settings) -> ServerReply:
     return ServerReply(
         node=node.name,
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
     )
-
-
-# -- reconciliation ------------------------------------------------------------------------
-def _reconcile(
-    session: Session,
-    node: Node,
-    attempts: list[AttemptStatus],
-    *,
-    agent_digest: str | None,
-    now: datetime,
-    settings: Settings,
-) -> None:
-    active = {
-        (a.job_id, a.attempt): a
-        for a in session.scalars(
-            select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active.is_(True))
-        )
-    }
-    touched: dict[int, Job] = {}
-    reported = set()
-    for status in attempts:
-        key = (status.job_id, status.attempt)
-        reported.add(key)
-        alloc = active.get(key)
-        if alloc is None:
-            continue  # not ours any more: the agent stops what it is not assigned
-        alloc.status = status.model_dump(mode="json")
-        job = alloc.job
-        _absorb_reports(job, status)
-        if _node_done(job, alloc, status):
-            _release(alloc, now)
-        touched[job.id] = job
-    # Allocations whose stop the agent has seen (its digest is current) and that it does not
-    # hold: nothing runs there any more.
-    if agent_digest is not None and agent_digest == digest(assignments_for(session, node, settings)):
-        for key, alloc in active.items():
-            if key not in reported and alloc.active and _action(alloc.job, alloc) == "stop":
-                _release(alloc, now)
-                touched[alloc.job.id] = alloc.job
-    for job in touched.values():
-        evaluate_job(session, job, now=now)
-    session.flush()
-
-
-def _absorb_reports(job: Job, status: AttemptStatus) -> None:
-    if status.checkpoint is not None:
-        cur = job.last_checkpoint or {}
-        if cur.get("at") is None or status.checkpoint.at > cur["at"]:
-            job.last_checkpoint = status.checkpoint.model_dump(mode="json")
-    if status.progress is not None and status.attempt == job.attempt:
-        cur = job.progress or {}
-        if cur.get("at") is None or status.progress.at >= cur["at"]:
-            job.progress = status.progress.model_dump(mode="json")
-
-
-def _node_done(job: Job, alloc: JobAllocation, status: AttemptStatus) -> bool:
-    """Nothing of this attempt runs on this node any more."""
-    if any(r.state == "running" for r in status.ranks):
-        return False
-    return status.finished or status.launch_error is not None or len(status.ranks) >= _expected_ranks(job)
-
-
-def _release(alloc: JobAllocation, now: datetime) -> None:
-    alloc.active = False
-    alloc.released_at = now
-
-
-def evaluate_job(session: Session, job: Job, *, now: datetime) -> None:
-    """Derive the job's state from its current attempt's per-node reports."""
-    state = JobState(job.state)
-    if state.terminal or state == JobState.QUEUED:
-        return
-    allocs = [a for a in job.allocations if a.attempt == job.attempt]
-    statuses = [(a, AttemptStatus.model_validate(a.status)) for a in allocs if a.status]
-    expected = _expected_ranks(job)
-
-    for alloc, st in statuses:
-        if st.launch_error:
-            _fail(session, job, reason=f"could not launch on node {alloc.node_name}: {st.launch_error}", now=now)
-            return
-    if state != JobState.SUSPENDING:
-        failure = _first_failure(statuses)
-        if failure is not None:
-            reason, code = failure
-            _fail(session, job, reason=reason, now=now, exit_code=code)
-            return
-
-    complete = len(statuses) == len(allocs) and all(len(st.ranks) >= expected for _, st in statuses)
-    all_exited = complete and all(r.state == "exited" for _, st in statuses for r in st.ranks)
-    if state == JobState.SUSPENDING:
-        all_done = len(statuses) == len(allocs) and all(
-            st.finished or (len(st.ranks) >= expected and all(r.state == "exited" for r in st.ranks))
-            for _, st in statuses
-        )
-        if not all_done:
-            return
-        never_ran = all(st.stop_cause == "not_launched" for _, st in statuses)
-        ready = never_ran or any(st.suspend_ready for _, st in statuses)
-        forced = [st.stopped_reason or st.stop_cause for _, st in statuses if st.stopped_reason or st.stop_cause]
-        if ready or forced:
-            _suspended(session, job, ready=ready, forced_reason=forced[0] if forced else None, now=now)
-        elif all(r.exit_code == 0 for _, st in statuses for r in st.ranks):
-            _succeed(session, job, now=now)
-        else:
-            codes = [r.exit_code for _, st in statuses for r in st.ranks if r.exit_code not in (0, None)]
-            _fail(session, job, reason="exited while suspending without reaching a checkpoint", now=now,
-                  exit_code=codes[0] if codes else None)
-        return
-    if all_exited:
-        _succeed(session, job, now=now)
-        return
-    if state == JobState.STARTING and complete:
-        transition(session, job, JobState.RUNNING, reason="all ranks started", now=now)
-
-
-# causes of an agent-side stop that are the job's own failure
-_FAILING_STOPS = ("max_runtime", "log_watchdog")
-
-
-def _first_failure(statuses: list[tuple[JobAllocation, AttemptStatus]]) -> tuple[str, int | None] | None:
-    """Why the attempt failed, if it did: a limit the agent enforced, else the rank that exited
-    with its own non-zero code (before ranks that were merely signalled to stop)."""
-    for alloc, st in sorted(statuses, key=lambda p: p[0].node_rank):
-        if st.stop_cause in _FAILING_STOPS or (st.stopped_reason and st.stop_cause is None):
-            return f"stopped on node {alloc.node_name}: {st.stopped_reason or st.stop_cause}", None
-    bad = [
-        (alloc, rank)
-        for alloc, st in statuses
-        for rank in st.ranks
-        if rank.state == "exited" and rank.exit_code not in (0, None)
-    ]
-    if not bad:
-        return None
-    alloc, rank = min(bad, key=lambda p: (p[1].exit_code < 0, p[0].node_rank, p[1].rank))  # type: ignore[operator]
-    return f"rank {rank.rank} on node {alloc.node_name} exited with code {rank.exit_code}", rank.exit_code
-
-
-def _succeed(session: Session, job: Job, *, now: datetime) -> None:
-    job.exit_code = 0
-    transition(session, job, JobState.SUCCEEDED, reason="every rank exited 0", now=now)
-
-
-def _fail(session: Session, job: Job, *, reason: str, now: datetime, exit_code: int | None = None) -> None:
-    job.exit_code = exit_code
-    job.failure_reason = reason
-    transition(session, job, JobState.FAILED, reason=reason, now=now)
-
-
-def _suspended(session: Session, job: Job, *, ready: bool, forced_reason: str | None, now: datetime) -> None:
-    gpus = job.nodes * job.gpus_per_node
-    ckpt = job.last_checkpoint or {}
-    attempt_start = job.attempt_started_at.timestamp() if job.attempt_started_at else now.timestamp()
-    if ready:
-        reason = "suspended at its checkpoint"
-        if ckpt.get("step") is not None:
-            reason += f" (step {ckpt['step']})"
-    else:
-        safe_at = max(ckpt.get("at") or 0.0, attempt_start)
-        lost = max(0.0, now.timestamp() - safe_at) * gpus
-        job.lost_gpu_s += lost
-        reason = f"stopped without a checkpoint ({forced_reason}); {lost:.0f} GPU-seconds of work lost"
-    job.suspensions += 1
-    transition(session, job, JobState.QUEUED, reason=reason, now=now)
-    if job.user_suspended:
-        job.pending_reason = "suspended by its owner; resume it to queue it again"
-    else:
-        job.pending_reason = "suspended; waiting to resume"
 
 
 # -- the reaper ----------------------------------------------------------------------------
@@ -362,7 +135,7 @@ def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | Non
             )
         )
         for alloc in allocs:
-            _release(alloc, now)
+            reports.release(alloc, now)
             job = alloc.job
             if alloc.attempt == job.attempt and JobState(job.state) in ACTIVE_STATES:
                 job.restarts += 1

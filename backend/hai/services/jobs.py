@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, JobEvent, Node
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
+from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
 from hai.services import notify
 from hai.services.auth import Principal
@@ -41,22 +42,22 @@ def transition(session: Session, job: Job, target: JobState, *, reason: str, now
         job.started_at = job.started_at or now
         job.pending_reason = None
         job.reserved_nodes = []
-        job.desired_action = "run"
+        job.desired_action = DesiredAction.RUN
     elif target == JobState.QUEUED:
         job.queued_at = now
-        job.desired_action = "run"
+        job.desired_action = DesiredAction.RUN
         job.suspend_for_job_id = None
         job.suspend_requested_at = None
         job.master_addr = None
         job.master_port = None
     elif target == JobState.SUSPENDING:
-        job.desired_action = "suspend"
+        job.desired_action = DesiredAction.SUSPEND
         job.suspend_requested_at = now
     elif target.terminal:
         job.finished_at = now
         job.pending_reason = None
         job.reserved_nodes = []
-        job.desired_action = "stop"
+        job.desired_action = DesiredAction.STOP
     session.flush()
     publish_after_commit(session, notify.SCHEDULER, notify.job_topic(job.id), *_node_topics(job))
 

@@ -106,8 +106,8 @@ class Job(Base):
     master_port: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     # suspension / stop protocol
-    desired_action: Mapped[str] = mapped_column(String(16), default="run")  # run | suspend | stop
-    stop_target_state: Mapped[str | None] = mapped_column(String(16), nullable=True)  # after stop
+    # a protocol.DesiredAction value (run | suspend | stop); written by services.jobs.transition
+    desired_action: Mapped[str] = mapped_column(String(16), default="run")
     suspend_for_job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     suspend_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     user_suspended: Mapped[bool] = mapped_column(Boolean, default=False)  # held by its owner

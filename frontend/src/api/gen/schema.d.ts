@@ -331,11 +331,7 @@ export interface components {
         };
         /** Assignment */
         Assignment: {
-            /**
-             * Action
-             * @enum {string}
-             */
-            action: "run" | "suspend" | "stop";
+            action: components["schemas"]["DesiredAction"];
             /** Attempt */
             attempt: number;
             /** Job Id */
@@ -364,7 +360,7 @@ export interface components {
             /** Started At */
             started_at?: number | null;
             /** Stop Cause */
-            stop_cause?: string | null;
+            stop_cause?: components["schemas"]["StopCause"] | string | null;
             /** Stopped Reason */
             stopped_reason?: string | null;
             /**
@@ -397,6 +393,12 @@ export interface components {
             /** Step */
             step?: number | null;
         };
+        /**
+         * DesiredAction
+         * @description What the server wants done with an attempt (``Assignment.action``, ``Job.desired_action``).
+         * @enum {string}
+         */
+        DesiredAction: "run" | "suspend" | "stop";
         /** GpuInfo */
         GpuInfo: {
             /** Index */
@@ -866,6 +868,13 @@ export interface components {
              */
             reregister: boolean;
         };
+        /**
+         * StopCause
+         * @description Why an agent stopped an attempt's ranks (``AttemptStatus.stop_cause``, the machine-readable
+         *     companion of ``stopped_reason``).
+         * @enum {string}
+         */
+        StopCause: "requested" | "suspend" | "suspend_timeout" | "max_runtime" | "log_watchdog" | "rank_failed" | "unassigned" | "not_launched";
         /** TokenCreate */
         TokenCreate: {
             /** Name */

@@ -1,0 +1,46 @@
+"""Jobs as the API shows them (JobRead / JobList): the ORM rows mapped by field name, with the
+zone and leaf of every node the job is placed on (one query per response)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from hai.db.models import Job, Node
+from hai.schemas.jobs import JobList, JobRead, PlacementRead
+from hai.services.jobs import placement_of
+
+Labels = dict[str, tuple[str, str]]
+
+# JobRead fields whose column has another name; every other field is read from the column of
+# its own name (placement is computed)
+_COLUMN = {"user": "user_name", "held": "user_suspended"}
+_FIELDS = [(f, _COLUMN.get(f, f)) for f in JobRead.model_fields if f != "placement"]
+_UNKNOWN = ("?", "?")
+
+
+def node_labels(session: Session) -> Labels:
+    return {name: (zone, leaf) for name, zone, leaf in session.execute(select(Node.name, Node.zone, Node.leaf))}
+
+
+def _read(job: Job, labels: Labels) -> JobRead:
+    data = {field: getattr(job, column) for field, column in _FIELDS}
+    data["env"] = job.env or {}
+    data["tags"] = job.tags or []
+    data["placement"] = [
+        PlacementRead(node=a.node_name, zone=labels.get(a.node_name, _UNKNOWN)[0],
+                      leaf=labels.get(a.node_name, _UNKNOWN)[1], gpus=a.gpus)
+        for a in placement_of(job)
+    ]
+    return JobRead.model_validate(data, from_attributes=True)
+
+
+def job_read(*, session: Session, job: Job) -> JobRead:
+    return _read(job, node_labels(session))
+
+
+def job_list(*, session: Session, jobs: Sequence[Job], total: int) -> JobList:
+    labels = node_labels(session)
+    return JobList(items=[_read(j, labels) for j in jobs], total=total)

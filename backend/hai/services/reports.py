@@ -1,0 +1,150 @@
+"""Applying an agent's report: store each attempt's status on its allocation, take in the
+job's checkpoints and progress, release the GPUs of nodes where the attempt is over, and carry
+out what the reports mean for each job (``hai.domain.outcomes``) through ``jobs.transition``.
+
+Reconciling a report is idempotent: the agent sends the full state of every attempt it holds.
+GPUs stay held (allocation ``active``) until the agent says the ranks on that node are gone.
+Helpers here only flush; the calling service commits.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from hai.db.models import Job, JobAllocation
+from hai.domain import outcomes
+from hai.domain.jobs import JobState
+from hai.domain.outcomes import AttemptReports, NodeReport, Outcome, RankReport, Verdict
+from hai.protocol import Assignment, AttemptStatus, DesiredAction
+from hai.services.assignments import expected_ranks
+from hai.services.jobs import transition
+
+
+def node_report(alloc: JobAllocation, status: AttemptStatus) -> NodeReport:
+    return NodeReport(
+        node=alloc.node_name,
+        node_rank=alloc.node_rank,
+        ranks=tuple(RankReport(rank=r.rank, running=r.state == "running", exit_code=r.exit_code) for r in status.ranks),
+        launch_error=status.launch_error,
+        suspend_ready=status.suspend_ready,
+        stopped_reason=status.stopped_reason,
+        stop_cause=status.stop_cause,
+        finished=status.finished,
+    )
+
+
+def attempt_reports(job: Job) -> AttemptReports:
+    """The facts of the job's current attempt: one NodeReport per node that has reported."""
+    allocs = [a for a in job.allocations if a.attempt == job.attempt]
+    return AttemptReports(
+        state=JobState(job.state),
+        expected_ranks=expected_ranks(job),
+        nodes=len(allocs),
+        reports=tuple(node_report(a, AttemptStatus.model_validate(a.status)) for a in allocs if a.status),
+    )
+
+
+def release(alloc: JobAllocation, now: datetime) -> None:
+    alloc.active = False
+    alloc.released_at = now
+
+
+def apply_reports(
+    session: Session, allocs: list[JobAllocation], attempts: list[AttemptStatus], *, now: datetime
+) -> set[tuple[int, int]]:
+    """Take in a node's report (every attempt it holds) against the node's active allocations
+    ``allocs`` and judge the jobs it concerns. Returns the reported (job, attempt) keys."""
+    active = {(a.job_id, a.attempt): a for a in allocs}
+    touched: dict[int, Job] = {}
+    reported = set()
+    for status in attempts:
+        key = (status.job_id, status.attempt)
+        reported.add(key)
+        alloc = active.get(key)
+        if alloc is None:
+            continue  # not ours any more: the agent stops what it is not assigned
+        alloc.status = status.model_dump(mode="json")
+        job = alloc.job
+        _absorb(job, status)
+        if node_report(alloc, status).done_with(expected_ranks(job)):
+            release(alloc, now)
+        touched[job.id] = job
+    for job in touched.values():
+        evaluate_job(session, job, now=now)
+    session.flush()
+    return reported
+
+
+def release_unreported_stops(
+    session: Session,
+    assigned: list[tuple[JobAllocation, Assignment]],
+    reported: set[tuple[int, int]],
+    *,
+    now: datetime,
+) -> tuple[list[tuple[JobAllocation, Assignment]], bool]:
+    """The agent holds exactly these assignments (its digest matches) and does not report
+    their ``stop`` attempts: nothing of them runs on the node any more, so their GPUs are
+    released. Returns the assignments left, and whether a job's state changed meanwhile (its
+    other assignments may then read differently)."""
+    gone = [alloc for alloc, a in assigned if a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported]
+    if not gone:
+        return assigned, False
+    for alloc in gone:
+        release(alloc, now)
+    jobs = {alloc.job_id: alloc.job for alloc in gone}
+    changed = [evaluate_job(session, jobs[j], now=now) for j in sorted(jobs)]
+    session.flush()
+    left = [(alloc, a) for alloc, a in assigned if alloc.active]
+    return left, any(o is not None for o in changed)
+
+
+def _absorb(job: Job, status: AttemptStatus) -> None:
+    if status.checkpoint is not None:
+        cur = job.last_checkpoint or {}
+        if cur.get("at") is None or status.checkpoint.at > cur["at"]:
+            job.last_checkpoint = status.checkpoint.model_dump(mode="json")
+    if status.progress is not None and status.attempt == job.attempt:
+        cur = job.progress or {}
+        if cur.get("at") is None or status.progress.at >= cur["at"]:
+            job.progress = status.progress.model_dump(mode="json")
+
+
+def evaluate_job(session: Session, job: Job, *, now: datetime) -> Outcome | None:
+    """Derive the job's state from its current attempt's per-node reports; returns the outcome
+    carried out (None: nothing changes yet)."""
+    state = JobState(job.state)
+    if state.terminal or state == JobState.QUEUED:
+        return None
+    outcome = outcomes.judge(attempt_reports(job))
+    if outcome is None:
+        return None
+    if outcome.verdict == Verdict.FAILED:
+        job.exit_code = outcome.exit_code
+        job.failure_reason = outcome.reason
+        transition(session, job, JobState.FAILED, reason=outcome.reason, now=now)
+    elif outcome.verdict == Verdict.SUCCEEDED:
+        job.exit_code = 0
+        transition(session, job, JobState.SUCCEEDED, reason=outcome.reason, now=now)
+    elif outcome.verdict == Verdict.SUSPENDED:
+        _suspended(session, job, outcome, now=now)
+    else:
+        transition(session, job, outcome.target, reason=outcome.reason, now=now)
+    return outcome
+
+
+def _suspended(session: Session, job: Job, outcome: Outcome, *, now: datetime) -> None:
+    ckpt = job.last_checkpoint or {}
+    attempt_start = job.attempt_started_at.timestamp() if job.attempt_started_at else now.timestamp()
+    reason, lost = outcomes.suspension_reason(
+        outcome, checkpoint_step=ckpt.get("step"), safe_at=max(ckpt.get("at") or 0.0, attempt_start),
+        now=now.timestamp(), gpus=job.nodes * job.gpus_per_node,
+    )
+    job.lost_gpu_s += lost
+    job.suspensions += 1
+    transition(session, job, JobState.QUEUED, reason=reason, now=now)
+    if job.user_suspended:
+        job.pending_reason = "suspended by its owner; resume it to queue it again"
+    else:
+        job.pending_reason = "suspended; waiting to resume"
