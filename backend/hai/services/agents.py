@@ -1,5 +1,6 @@
-"""The server side of the agent protocol: handshake, heartbeat reconciliation, assignments,
-and the reaper that marks silent nodes lost.
+"""The server side of the agent protocol: handshake, heartbeat reconciliation, assignments.
+The reaper that marks silent nodes lost is services/reaper.py; node health (validator runs,
+moving jobs off a node) is services/node_health.py, called from the hooks marked "issue 10".
 
 The agent reports the full state of every attempt it holds; reconciling a report is
 idempotent. Each job's state follows from its allocations' reports; GPUs stay held
@@ -11,14 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, Node
-from hai.domain.jobs import ACTIVE_STATES, JobState
+from hai.domain.jobs import JobState
+from hai.domain.nodes import NodeState
 from hai.protocol import (
     SUPPORTED_VERSIONS,
     AgentHello,
@@ -28,10 +30,11 @@ from hai.protocol import (
     LaunchSpec,
     ServerReply,
 )
-from hai.services import notify
+from hai.services import node_health, notify
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit, transition
-from hai.settings import Settings
+from hai.services.node_state import create_node
+from hai.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +50,9 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     _check_version(hello.protocol_version)
     now = utcnow()
     node = session.scalar(select(Node).where(Node.name == hello.node).with_for_update())
-    if node is None:
-        node = Node(name=hello.node, registered_at=now)
-        session.add(node)
+    if node is None:  # issue 10: the node's first state goes through node_state
+        node = create_node(session, name=hello.node, state=NodeState.READY, actor="agent",
+                           reason="agent registered", now=now)
     if not node.labels_from_topology:
         if hello.zone:
             node.zone = hello.zone
@@ -65,11 +68,10 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     node.agent_version = hello.agent_version
     node.protocol_version = hello.protocol_version
     node.last_heartbeat_at = now
-    if node.state == "lost":
-        node.state = "ready"
-        node.state_reason = "agent registered again"
+    node_health.on_register(session, node, settings=settings, now=now)  # issue 10: lost -> validate first
     session.flush()
     _reconcile(session, node, hello.attempts, agent_digest=None, now=now, settings=settings)
+    node_health.settle(session, node, now=now)  # issue 10
     reply = _reply(session, node, settings)
     publish_after_commit(session, notify.SCHEDULER)
     session.commit()
@@ -82,7 +84,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     node = session.scalar(select(Node).where(Node.name == hb.node))
     if node is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
-    if node.state == "lost":
+    if node_health.must_reregister(node):  # issue 10
         # the server gave this node's work away; the agent must hand in its inventory again
         session.commit()
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
@@ -90,6 +92,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     if hb.gpus:
         node.gpu_metrics = [g.model_dump() for g in hb.gpus]
     _reconcile(session, node, hb.attempts, agent_digest=hb.assignments_digest, now=now, settings=settings)
+    node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now)  # issue 10
     reply = _reply(session, node, settings)
     session.commit()
     return reply
@@ -97,7 +100,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
 
 def current_reply(*, session: Session, node_name: str, settings: Settings) -> ServerReply:
     node = session.scalar(select(Node).where(Node.name == node_name))
-    if node is None or node.state == "lost":
+    if node is None or node_health.must_reregister(node):  # issue 10
         return ServerReply(node=node_name, assignments_digest="", reregister=True)
     reply = _reply(session, node, settings)
     session.commit()
@@ -171,6 +174,7 @@ def _reply(session: Session, node: Node, settings: Settings) -> ServerReply:
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
+        validations=node_health.pending_requests(session, node),  # issue 10
     )
 
 
@@ -315,12 +319,18 @@ def _succeed(session: Session, job: Job, *, now: datetime) -> None:
 
 
 def _fail(session: Session, job: Job, *, reason: str, now: datetime, exit_code: int | None = None) -> None:
+    # issue 10: ranks killed by a faulty node end the attempt as a restart, not the job's failure
+    if node_health.requeue_if_node_faulty(session, job, reason=reason, settings=get_settings(), now=now):
+        return
     job.exit_code = exit_code
     job.failure_reason = reason
     transition(session, job, JobState.FAILED, reason=reason, now=now)
 
 
 def _suspended(session: Session, job: Job, *, ready: bool, forced_reason: str | None, now: datetime) -> None:
+    # issue 10: a move off a drained/unhealthy node requeues without counting a suspension
+    if node_health.absorb_move(session, job, ready=ready, forced_reason=forced_reason, now=now):
+        return
     gpus = job.nodes * job.gpus_per_node
     ckpt = job.last_checkpoint or {}
     attempt_start = job.attempt_started_at.timestamp() if job.attempt_started_at else now.timestamp()
@@ -339,36 +349,3 @@ def _suspended(session: Session, job: Job, *, ready: bool, forced_reason: str | 
         job.pending_reason = "suspended by its owner; resume it to queue it again"
     else:
         job.pending_reason = "suspended; waiting to resume"
-
-
-# -- the reaper ----------------------------------------------------------------------------
-def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | None = None) -> list[str]:
-    """Nodes silent for longer than agent.lost_after_s become ``lost``; their GPUs are given up
-    and the jobs that ran there go back to the queue (a restart, not a suspension)."""
-    now = now or utcnow()
-    cutoff = now - timedelta(seconds=settings.agent.lost_after_s)
-    lost = list(
-        session.scalars(
-            select(Node).where(Node.state != "lost", Node.last_heartbeat_at.is_not(None), Node.last_heartbeat_at < cutoff)
-            .with_for_update()
-        )
-    )
-    for node in lost:
-        node.state = "lost"
-        node.state_reason = f"no heartbeat since {node.last_heartbeat_at.isoformat()}"
-        allocs = list(
-            session.scalars(
-                select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active.is_(True))
-            )
-        )
-        for alloc in allocs:
-            _release(alloc, now)
-            job = alloc.job
-            if alloc.attempt == job.attempt and JobState(job.state) in ACTIVE_STATES:
-                job.restarts += 1
-                transition(session, job, JobState.QUEUED, reason=f"node {node.name} was lost; requeued", now=now)
-                job.pending_reason = f"requeued after node {node.name} was lost"
-    if lost:
-        publish_after_commit(session, notify.SCHEDULER)
-    session.commit()
-    return [n.name for n in lost]
