@@ -231,7 +231,7 @@ def must_reregister(node: Node) -> bool:
 def on_register(session: Session, node: Node, *, settings: Settings, now: datetime) -> None:
     if node.state != NodeState.LOST.value or node.return_validation_id is not None:
         return
-    if node.last_heartbeat_at is None:  # listed by a topology file, first agent: nothing to doubt
+    if not (node.state_detail or {}).get("silent_since"):  # listed by a topology file, first agent
         set_node_state(session, node, NodeState.READY, actor="agent", reason="agent registered", now=now)
         return
     run = request_validation(session, node, level=settings.validation.return_level, trigger="return",

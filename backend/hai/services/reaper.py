@@ -45,7 +45,8 @@ def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | Non
     for node in lost:
         assert node.last_heartbeat_at is not None
         set_node_state(session, node, NodeState.LOST, actor="reaper",
-                       reason=f"no heartbeat since {node.last_heartbeat_at.isoformat()}", now=now)
+                       reason=f"no heartbeat since {node.last_heartbeat_at.isoformat()}",
+                       detail={"silent_since": node.last_heartbeat_at.isoformat()}, now=now)
         node.return_validation_id = None
         allocs = list(
             session.scalars(
