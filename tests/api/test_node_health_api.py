@@ -285,6 +285,10 @@ def test_quick_rounds_every_n_heartbeats(cluster):
     assert len(heartbeat(cluster, "n0")["validations"]) == 1
     (run,) = cluster.get("/api/v1/nodes/n0/validations").json()
     assert run["trigger"] == "periodic"
+    # the heartbeat that delivers the result does not count towards the next round
+    assert heartbeat(cluster, "n0", validations=[report(run["id"], level="quick")])["validations"] == []
+    replies = [heartbeat(cluster, "n0") for _ in range(3)]
+    assert [len(r["validations"]) for r in replies] == [0, 0, 1]
 
 
 def test_a_critical_failure_makes_the_node_unhealthy_and_moves_its_job(cluster):

@@ -24,13 +24,15 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected, ServerUnavailable
 from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
 from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
+from hai.agent.faults import FaultPlan  # issue 10
+from hai.agent.validators import Validator, make_context  # issue 10
 from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
 
 log = logging.getLogger("hai.agent")
@@ -75,6 +77,7 @@ class _Result:
     sent_mono: float
     statuses: list[AttemptStatus]
     reply: ServerReply | None = None
+    validation_ids: list[int] = field(default_factory=list)  # issue 10: reports this request carried
     error: Exception | None = None
 
 
@@ -99,6 +102,7 @@ class Agent:
         log_buffer_lines: int = 10000,
         status_refresh_s: float = 5.0,
         sysfs: str = "/sys",
+        faults: FaultPlan | None = None,  # issue 10: --inject-fault (fake GPUs)
     ):
         self.server = server
         self.token = token
@@ -121,6 +125,10 @@ class Agent:
         self.node = NodeAgent(node=node, state_dir=state_dir, gpus=gpus, nics=self.nics, log_buffer=self.buf,
                               checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s, sysfs=sysfs,
                               on_change=self._changed, on_progress=self._soft.set)
+        # issue 10: validator runs the server asks for, one at a time in their own thread
+        self.validator = Validator(make_context(
+            fake=gpus.fake, inventory=self.node.gpu_inventory, checkpoint_root=self.node.checkpoint_root,
+            sysfs=sysfs, faults=faults, busy_gpus=lambda: set(self.node.busy_gpus())), on_done=self._changed)
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
@@ -155,8 +163,10 @@ class Agent:
             if register:
                 res.reply = client.register(self._hello(statuses))
             else:
+                reports = self.validator.reports()  # issue 10
+                res.validation_ids = [r.run_id for r in reports]
                 hb = Heartbeat(node=self.node_name, gpus=self.node.gpu_metrics(), attempts=statuses,
-                               wait_s=wait_s, assignments_digest=self.digest)
+                               wait_s=wait_s, assignments_digest=self.digest, validations=reports)
                 res.reply = client.heartbeat(hb)
         except Exception as e:  # classified by _handle
             res.error = e
@@ -185,6 +195,9 @@ class Agent:
         reply = res.reply
         assert reply is not None
         self.node.mark_reported(res.statuses)
+        if not reply.reregister:  # issue 10: delivered reports, new validation runs
+            self.validator.acknowledge(res.validation_ids, reply.validations)
+            self.validator.submit(reply.validations)
         if reply.reregister:
             log.info("the server asks this node to register again")
             self.registered = False
@@ -354,6 +367,7 @@ def run_agent(
     backoff_max_s: float = 10.0,
     log_buffer_lines: int = 10000,
     status_refresh_s: float = 5.0,
+    inject_faults: list[str] | None = None,
 ) -> None:
     """Run a node agent until ``stop_event`` is set or SIGTERM/SIGINT (main thread only).
 
@@ -366,6 +380,7 @@ def run_agent(
     at once regardless, progress within ``status_refresh_s``.
     ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
     running and a restarted agent reattaches to them.
+    ``inject_faults``: fake-GPU hardware faults, KIND[@SECONDS] (agent/faults.py; issue 10).
     Raises SystemExit with a clear message when the server refuses the protocol version (426).
     """
     if gpu_indices is None and os.environ.get("HAI_AGENT_GPUS"):
@@ -375,7 +390,8 @@ def run_agent(
                   address=address, heartbeat_wait_s=heartbeat_wait_s, stop_event=stop_event,
                   checkpoint_root=checkpoint_root, kill_grace_s=kill_grace_s,
                   stop_jobs_on_exit=stop_jobs_on_exit, backoff_max_s=backoff_max_s,
-                  log_buffer_lines=log_buffer_lines, status_refresh_s=status_refresh_s)
+                  log_buffer_lines=log_buffer_lines, status_refresh_s=status_refresh_s,
+                  faults=FaultPlan.parse(inject_faults) if inject_faults else None)
     try:
         agent.run()
     except ProtocolVersionUnsupported as e:

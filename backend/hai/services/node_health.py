@@ -101,13 +101,15 @@ def _connected(node: Node, settings: Settings, now: datetime) -> bool:
 
 # -- runs ----------------------------------------------------------------------------------
 def request_validation(session: Session, node: Node, *, level: str, trigger: str, requested_by: str,
-                       now: datetime | None = None) -> ValidationRun:
-    """A new run for the node's agent (helper: flushes). The agent sees it in its next reply."""
+                       now: datetime | None = None, wake: bool = True) -> ValidationRun:
+    """A new run for the node's agent (helper: flushes). The agent sees it in its next reply;
+    ``wake`` answers its long poll at once (periodic rounds wait for the poll's end)."""
     run = ValidationRun(node_name=node.name, level=level, trigger=trigger, status=PENDING,
                         requested_by=requested_by, requested_at=now or utcnow(), summary="", checks=[])
     session.add(run)
     session.flush()
-    publish_after_commit(session, notify.node_topic(node.name))
+    if wake:
+        publish_after_commit(session, notify.node_topic(node.name))
     return run
 
 
@@ -248,11 +250,14 @@ def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], 
         absorb_reports(session, node, reports, settings=settings, now=now)
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
-    if every and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED):
-        node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
-        if node.heartbeats_since_quick >= every and _pending_run(session, node) is None:
+    # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
+    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED):
+        if _pending_run(session, node) is None:  # count only while no run is waiting
+            node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
+        if node.heartbeats_since_quick >= every:
             node.heartbeats_since_quick = 0
-            request_validation(session, node, level="quick", trigger="periodic", requested_by="validator", now=now)
+            request_validation(session, node, level="quick", trigger="periodic", requested_by="validator", now=now,
+                               wake=False)
     if state in (NodeState.DRAINING, NodeState.UNHEALTHY):
         # a job placed from a snapshot older than the drain: move it too
         move_jobs_off(session, node, cause=MOVE_DRAIN if state == NodeState.DRAINING else MOVE_UNHEALTHY,
