@@ -71,6 +71,13 @@ def _node(stack, name: str) -> dict:
         return r.json()
 
 
+def _state(stack, name: str) -> str | None:
+    """The node's state, None while it is not registered yet."""
+    with stack.client() as c:
+        r = c.get(f"/api/v1/nodes/{name}")
+    return r.json()["state"] if r.status_code == 200 else None
+
+
 def _steps(logs: str) -> list[int]:
     return [int(m) for m in re.findall(r"^(?:\[[^\]]*\] )?step (\d+)$", logs, flags=re.M)]
 
@@ -137,7 +144,7 @@ def test_an_xid_79_makes_the_node_unhealthy_and_its_job_resumes_elsewhere(health
         stack.wait_state(b["id"], {"running"})
     agent = _start_agent(stack, tmp_path, "faulty", "--inject-fault", "xid:79@8")
     try:
-        wait_for(lambda: _node(stack, "faulty")["state"] == "ready", timeout=60, what="the faulty node to register")
+        wait_for(lambda: _state(stack, "faulty") == "ready", timeout=60, what="the faulty node to register")
         job = stack.submit(name="stepper", gpus_per_node=2, command=[sys.executable, _script(tmp_path), "400"])
         running = stack.wait_state(job["id"], {"running"})
         assert running["placement"][0]["node"] == "faulty"
@@ -172,7 +179,7 @@ def test_validate_on_demand_with_fault_injection_reports_each_check(health_stack
     stack = health_stack
     agent = _start_agent(stack, tmp_path, "slow", "--inject-fault", "slow-gemm")
     try:
-        wait_for(lambda: _node(stack, "slow")["state"] in ("ready", "unhealthy"), timeout=60, what="registration")
+        wait_for(lambda: _state(stack, "slow") in ("ready", "unhealthy"), timeout=60, what="registration")
         out = stack.cli("nodes", "validate", "slow", "--wait")
         assert out.returncode == 1, out.stdout + out.stderr
         assert re.search(r"failed\s+gemm_tflops\s+critical", out.stdout), out.stdout
@@ -189,7 +196,7 @@ def test_a_killed_agent_makes_its_node_lost_and_its_job_requeue(health_stack, tm
     for b in blockers:
         stack.wait_state(b["id"], {"running"})
     agent = _start_agent(stack, tmp_path, "mortal")
-    wait_for(lambda: _node(stack, "mortal")["state"] == "ready", timeout=60, what="registration")
+    wait_for(lambda: _state(stack, "mortal") == "ready", timeout=60, what="registration")
     job = stack.submit(name="victim", gpus_per_node=2, command=["sleep", "600"])
     running = stack.wait_state(job["id"], {"running"})
     assert running["placement"][0]["node"] == "mortal"
