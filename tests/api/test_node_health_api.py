@@ -371,3 +371,17 @@ def test_a_returning_node_that_fails_its_validation_becomes_unhealthy(cluster):
     (req,) = heartbeat(cluster, "n0")["validations"]
     heartbeat(cluster, "n0", validations=[report(req["run_id"], fail="gpu_xid")])
     assert node(cluster, "n0")["state"] == "unhealthy"
+
+
+def test_a_drained_node_that_was_lost_returns_drained(cluster):
+    cluster.post("/api/v1/nodes/n0/drain", cluster.admin, json={"reason": "bad DIMM"})
+    later = utcnow() + timedelta(seconds=cluster.platform.settings.agent.lost_after_s + 5)
+    with cluster.platform.sessions() as s:
+        mark_lost_nodes(session=s, settings=cluster.platform.settings, now=later)
+    assert node(cluster, "n0")["state"] == "lost"
+    cluster.register_node("n0")
+    (req,) = heartbeat(cluster, "n0")["validations"]
+    heartbeat(cluster, "n0", validations=[report(req["run_id"])])
+    n = node(cluster, "n0")
+    assert n["state"] == "drained" and n["state_reason"] == "drained by root: bad DIMM"
+    assert [e["to_state"] for e in n["events"]] == ["ready", "drained", "lost", "drained"]

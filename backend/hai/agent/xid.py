@@ -74,7 +74,9 @@ def parse_line(line: str) -> XidEvent | None:
     """One kernel log line (kmsg record, dmesg or journalctl format) -> XidEvent, else None."""
     if "NVRM: Xid" not in line:
         return None
-    m = _XID.search(line.rstrip("\n"))
+    # a kmsg record may carry " KEY=value" continuation lines after the message
+    line = next(part for part in line.split("\n") if "NVRM: Xid" in part)
+    m = _XID.search(line.rstrip("\r"))
     if m is None:
         return None
     xid = int(m.group("xid"))

@@ -182,10 +182,25 @@ def absorb_reports(session: Session, node: Node, reports: list[ValidationReport]
                 requeue_recent_failures(session, node, window_s=settings.validation.fault_window_s, now=now)
         elif state == NodeState.LOST and node.return_validation_id == run.id:
             node.return_validation_id = None
-            set_node_state(session, node, NodeState.READY, actor="validator",
-                           reason=f"the agent is back and validation run {run.id} passed", now=now)
+            _return(session, node, run, now)
         if run.level == "quick" and _hardware_xid(checks) and _pending_run(session, node) is None:
             request_validation(session, node, level="full", trigger="xid", requested_by="validator", now=now)
+
+
+def _return(session: Session, node: Node, run: ValidationRun, now: datetime) -> None:
+    """A lost node passed its return validation: back to ready, or to the drain or fault it was
+    in when it went silent (only an undrain brings those back)."""
+    before = node.state_detail or {}
+    was = before.get("was")
+    passed = f"the agent is back and validation run {run.id} passed"
+    if was == NodeState.UNHEALTHY.value:
+        set_node_state(session, node, NodeState.UNHEALTHY, actor="validator", now=now,
+                       reason=f"{passed}; still unhealthy: {before.get('was_reason', '')}", detail=before)
+    elif was in (NodeState.DRAINING.value, NodeState.DRAINED.value):
+        set_node_state(session, node, NodeState.DRAINED, actor="validator", now=now,
+                       reason=before.get("was_reason") or f"{passed}; still drained")
+    else:
+        set_node_state(session, node, NodeState.READY, actor="validator", reason=passed, now=now)
 
 
 def _hardware_xid(checks: list[dict]) -> bool:

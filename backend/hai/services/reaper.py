@@ -44,9 +44,11 @@ def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | Non
         node.return_validation_id = None
     for node in lost:
         assert node.last_heartbeat_at is not None
+        # remember an admin's drain or a fault: the node returns to it, not to ready
+        was = {"was": node.state, "was_reason": node.state_reason} if node.state != NodeState.READY.value else {}
         set_node_state(session, node, NodeState.LOST, actor="reaper",
                        reason=f"no heartbeat since {node.last_heartbeat_at.isoformat()}",
-                       detail={"silent_since": node.last_heartbeat_at.isoformat()}, now=now)
+                       detail={"silent_since": node.last_heartbeat_at.isoformat(), **was}, now=now)
         node.return_validation_id = None
         allocs = list(
             session.scalars(

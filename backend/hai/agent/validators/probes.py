@@ -224,8 +224,22 @@ class TorchBench:
     def __init__(self, python: str = sys.executable, burn_s: float = 5.0):
         self.python = python
         self.burn_s = burn_s
+        self._missing: str | None = None  # why torch/CUDA cannot run here, once known
+        self._lock = threading.Lock()
 
     def run(self, kind: str, gpus: list[int], timeout_s: float) -> dict:
+        with self._lock:
+            if self._missing is None:
+                try:
+                    self._run("probe", gpus, min(timeout_s, 120.0))
+                    self._missing = ""
+                except Skip as e:
+                    self._missing = str(e)
+        if self._missing:
+            raise Skip(self._missing)
+        return self._run(kind, gpus, timeout_s)
+
+    def _run(self, kind: str, gpus: list[int], timeout_s: float) -> dict:
         cmd = [self.python, "-m", "hai.agent.validators.torch_bench", kind, "--gpus", ",".join(map(str, gpus)),
                "--burn-s", str(self.burn_s)]
         env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}

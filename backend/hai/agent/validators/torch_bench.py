@@ -173,13 +173,16 @@ BENCHES = {"gemm": gemm, "memtest": memtest, "device_bw": device_bw, "h2d": h2d,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hai.agent.validators.torch_bench")
-    p.add_argument("kind", choices=sorted(BENCHES))
+    p.add_argument("kind", choices=sorted(BENCHES) + ["probe"])
     p.add_argument("--gpus", required=True)
     p.add_argument("--burn-s", type=float, default=5.0)
     a = p.parse_args(argv)
     torch, why = _torch()
     if torch is None:
         print(json.dumps({"skipped": why}))
+        return 0
+    if a.kind == "probe":  # torch with CUDA is here
+        print(json.dumps({"value": torch.cuda.device_count(), "data": {"torch": torch.__version__}}))
         return 0
     gpus = [int(x) for x in a.gpus.split(",") if x.strip()]
     try:
