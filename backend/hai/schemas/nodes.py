@@ -7,14 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hai.domain.nodes import NodeState
 from hai.schemas.common import NodeRead
 
 
 class NodeEventRead(BaseModel):
     model_config = ConfigDict(from_attributes=True)
     at: datetime
-    from_state: str | None
-    to_state: str
+    from_state: NodeState | None
+    to_state: NodeState
     actor: str
     reason: str
     detail: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String,
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from hai.db.base import Base, UTCDateTime, utcnow
+from hai.protocol.node_state import NodeState
 
 
 class User(Base):
@@ -48,7 +49,7 @@ class Node(Base):
     leaf: Mapped[str] = mapped_column(String(64), default="default")
     gpus: Mapped[int] = mapped_column(Integer, default=0)
     # a NodeState; written only by services.node_state.set_node_state (and create_node)
-    state: Mapped[str] = mapped_column(String(16), default="ready")
+    state: Mapped[str] = mapped_column(String(16), default=NodeState.READY.value)
     address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
     fake_gpus: Mapped[bool] = mapped_column(Boolean, default=False)
     gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)

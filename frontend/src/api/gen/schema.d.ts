@@ -951,8 +951,7 @@ export interface components {
             name: string;
             /** Running Jobs */
             running_jobs: number[];
-            /** State */
-            state: string;
+            state: components["schemas"]["NodeState"];
             /** State Changed At */
             state_changed_at?: string | null;
             /** State Detail */
@@ -985,12 +984,10 @@ export interface components {
             detail?: {
                 [key: string]: unknown;
             } | null;
-            /** From State */
-            from_state: string | null;
+            from_state: components["schemas"]["NodeState"] | null;
             /** Reason */
             reason: string;
-            /** To State */
-            to_state: string;
+            to_state: components["schemas"]["NodeState"];
         };
         /** NodeRead */
         NodeRead: {
@@ -1012,13 +1009,17 @@ export interface components {
             name: string;
             /** Running Jobs */
             running_jobs: number[];
-            /** State */
-            state: string;
+            state: components["schemas"]["NodeState"];
             /** State Reason */
             state_reason: string;
             /** Zone */
             zone: string;
         };
+        /**
+         * NodeState
+         * @enum {string}
+         */
+        NodeState: "ready" | "draining" | "drained" | "unhealthy" | "lost";
         /** NodeUndrain */
         NodeUndrain: {
             /**
