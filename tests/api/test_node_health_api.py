@@ -326,6 +326,22 @@ def test_a_job_that_failed_shortly_before_its_node_was_found_faulty_is_requeued(
     assert body["exit_code"] is None and body["failure_reason"] is None and body["finished_at"] is None
 
 
+def test_a_rank_that_dies_gets_its_node_checked_and_a_hardware_xid_requeues_the_job(cluster):
+    job_id, where = start_job(cluster)
+    heartbeat(cluster, where, [AttemptStatus(job_id=job_id, attempt=1, finished=True,
+                                             ranks=[RankStatus(rank=0, local_rank=0, state="exited", exit_code=-7)])])
+    assert job(cluster, job_id)["state"] == "failed"
+    (req,) = heartbeat(cluster, where)["validations"]
+    run = cluster.get(f"/api/v1/validations/{req['run_id']}").json()
+    assert (run["level"], run["trigger"]) == ("quick", "rank_died")
+    heartbeat(cluster, where, validations=[report(req["run_id"], fail="gpu_xid", level="quick")])
+    assert node(cluster, where)["state"] == "unhealthy"
+    body = job(cluster, job_id)
+    assert body["state"] == "queued" and body["restarts"] == 1 and body["failure_reason"] is None
+    full = cluster.get(f"/api/v1/nodes/{where}/validations").json()[0]
+    assert (full["level"], full["trigger"]) == ("full", "xid")
+
+
 def test_a_failure_outside_the_fault_window_stays_the_jobs(cluster):
     cluster.platform.settings.validation.fault_window_s = 0
     job_id, where = start_job(cluster)

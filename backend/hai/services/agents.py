@@ -320,7 +320,7 @@ def _succeed(session: Session, job: Job, *, now: datetime) -> None:
 
 def _fail(session: Session, job: Job, *, reason: str, now: datetime, exit_code: int | None = None) -> None:
     # issue 10: ranks killed by a faulty node end the attempt as a restart, not the job's failure
-    if node_health.requeue_if_node_faulty(session, job, reason=reason, settings=get_settings(), now=now):
+    if node_health.on_job_failing(session, job, reason=reason, settings=get_settings(), now=now):
         return
     job.exit_code = exit_code
     job.failure_reason = reason

@@ -341,14 +341,23 @@ def _faulty_node(session: Session, names: list[str], *, window_s: float, now: da
     return next((n for n in nodes if n.name == recent), None)
 
 
-def requeue_if_node_faulty(session: Session, job: Job, *, reason: str, settings: Settings, now: datetime) -> bool:
-    """Hook of services/agents._fail: ranks killed by a node's fault end the attempt, and the job
-    is requeued from its last checkpoint as a restart, never the user's failure."""
+def on_job_failing(session: Session, job: Job, *, reason: str, settings: Settings, now: datetime) -> bool:
+    """Hook of services/agents._fail, before a job is failed. Ranks killed by a node's fault end
+    the attempt, and the job is requeued from its last checkpoint as a restart, never the user's
+    failure (True: requeued, do not fail it). Otherwise the nodes where a rank died get a quick
+    round at once: a hardware Xid found there makes the node unhealthy, requeues this job
+    (requeue_recent_failures) and asks for the full suite."""
     node = _faulty_node(session, _nodes_of(job), window_s=settings.validation.fault_window_s, now=now)
-    if node is None:
-        return False
-    _requeue_restart(session, job, node, reason, now)
-    return True
+    if node is not None:
+        _requeue_restart(session, job, node, reason, now)
+        return True
+    died = sorted({a.node_name for a in job.allocations if a.attempt == job.attempt and a.status
+                   and any(r.get("state") == "exited" and r.get("exit_code") not in (0, None)
+                           for r in a.status.get("ranks", []))})
+    for n in session.scalars(select(Node).where(Node.name.in_(died)).order_by(Node.name)):
+        if n.state != NodeState.LOST.value and _pending_run(session, n) is None:
+            request_validation(session, n, level="quick", trigger="rank_died", requested_by="validator", now=now)
+    return False
 
 
 def _requeue_restart(session: Session, job: Job, node: Node, reason: str, now: datetime) -> None:
