@@ -24,6 +24,7 @@ STEPPER = textwrap.dedent('''
     import json, os, sys, time
     from hai import sdk
     total = int(sys.argv[1])
+    every = int(sys.argv[2]) if len(sys.argv) > 2 else 0  # also checkpoint every N steps
     start = 0
     path = sdk.resume_path()
     if path:
@@ -38,6 +39,11 @@ STEPPER = textwrap.dedent('''
             sdk.suspend_ready()
             print(f"suspended before step {step}", flush=True)
             sys.exit(0)
+        if every and step and step % every == 0:
+            ck = os.path.join(sdk.checkpoint_dir(), f"step-{step}.json")
+            with open(ck, "w") as f:
+                json.dump({"next": step}, f)
+            sdk.report_checkpoint(ck, step=step)
         print(f"step {step}", flush=True)
         time.sleep(0.1)
     print("done", flush=True)
@@ -171,6 +177,37 @@ def test_an_xid_79_makes_the_node_unhealthy_and_its_job_resumes_elsewhere(health
         assert stack.cli("nodes", "undrain", "faulty", "--force").returncode == 0
         n = _node(stack, "faulty")
         assert n["state"] == "ready" and "forced" in n["events"][-1]["reason"]
+    finally:
+        _stop(agent)
+
+
+def test_a_gpu_lost_under_a_job_kills_its_rank_and_the_job_restarts_from_its_checkpoint(health_stack, tmp_path):
+    stack = health_stack
+    blockers = [stack.submit(name=f"block{i}", gpus_per_node=2, command=["sleep", "600"]) for i in range(2)]
+    for b in blockers:
+        stack.wait_state(b["id"], {"running"})
+    agent = _start_agent(stack, tmp_path, "flaky", "--inject-fault", "gpu-missing@12")
+    try:
+        wait_for(lambda: _state(stack, "flaky") == "ready", timeout=60, what="the flaky node to register")
+        job = stack.submit(name="stepper", gpus_per_node=2, command=[sys.executable, _script(tmp_path), "300", "20"])
+        assert stack.wait_state(job["id"], {"running"})["placement"][0]["node"] == "flaky"
+        # the GPU goes, the rank is killed, the node's checks find it: unhealthy, job requeued
+        n = wait_for(lambda: (x := _node(stack, "flaky"))["state"] == "unhealthy" and x, timeout=90,
+                     what="the node to become unhealthy")
+        assert "gpu_inventory" in n["state_reason"]
+        queued = wait_for(lambda: (j := stack.job(job["id"]))["restarts"] == 1 and j, timeout=60,
+                          what="the job requeued as a restart")
+        assert queued["failure_reason"] is None and queued["exit_code"] is None
+        assert any("faulty" in e["reason"] for e in queued["events"])
+        ckpt_step = queued["last_checkpoint"]["step"]
+        with stack.client() as c:
+            c.post(f"/api/v1/jobs/{blockers[0]['id']}/cancel").raise_for_status()
+        done = stack.wait_state(job["id"], TERMINAL, timeout=150)
+        assert done["state"] == "succeeded" and done["attempt"] == 2 and done["restarts"] == 1
+        logs = stack.logs(job["id"])
+        assert f"at step {ckpt_step}" in logs  # resumed from its last reported checkpoint
+        steps = _steps(logs)
+        assert sorted(set(steps)) == list(range(300)) and steps[-1] == 299
     finally:
         _stop(agent)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hai.agent.faults import BadFaultSpec, Fault, FaultPlan, parse_fault
+from hai.agent.faults import BadFaultSpec, Fault, FaultEffects, FaultPlan, parse_fault
 from hai.agent.gpu import FakeGpus
 from hai.agent.validators import CATALOGUE, Validator, checks_for, make_context, run_check, run_suite
 from hai.agent.validators.model import Check, Skip, Thresholds, expected_for
@@ -339,3 +339,21 @@ def test_fault_specs(spec, fault):
 def test_bad_fault_specs_are_refused(spec):
     with pytest.raises(BadFaultSpec, match="KIND"):
         parse_fault(spec)
+
+
+def test_gpu_missing_kills_the_ranks_on_that_gpu_once_when_it_appears():
+    import subprocess
+
+    clock = Clock()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        effects = FaultEffects(FaultPlan.parse(["gpu-missing@5"], clock=clock), gpu=7,
+                               pids_on=lambda g: [proc.pid] if g == 7 else [])
+        assert effects.tick() is False and proc.poll() is None  # not yet
+        clock.t += 5
+        assert effects.tick() is True
+        assert proc.wait(10) == -9
+        assert effects.tick() is False  # once
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -5,16 +5,20 @@ The fault appears SECONDS after the agent starts (at once without ``@``). Kinds:
 - ``xid:N``: the kernel log gains an ``NVRM: Xid (PCI:...): N, ...`` line for GPU 0 (79: the GPU
   has fallen off the bus; 74: NVLink; 48/63/64/92/94/95: memory; 13/31/43/45: application);
 - ``ecc``: GPU 0 reports uncorrected ECC errors;
-- ``gpu-missing``: the last GPU disappears (the count no longer matches the inventory);
+- ``gpu-missing``: the last GPU disappears (the count no longer matches the inventory) and the
+  job ranks holding it are killed (SIGKILL), as when a GPU falls off the bus under a job;
 - ``slow-gemm``: the GEMM burn measures a fifth of the expected TFLOPS.
 
-Only the validators' view of the hardware changes: the fake GPUs keep running the jobs, so what
-the platform does about a fault is what is tested.
+Otherwise only the validators' view of the hardware changes: the fake GPUs keep running the
+jobs, so what the platform does about a fault is what is tested.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,3 +96,33 @@ class FaultPlan:
                 out.append(f"[{ts:12.6f}] NVRM: Xid (PCI:{pci}): {f.xid}, "
                            + XID_TEXT.get(f.xid or 0, "pid=<unknown>, name=<unknown>, (injected)"))
         return out
+
+
+log = logging.getLogger("hai.agent.faults")
+
+
+class FaultEffects:
+    """What a fault does to the processes on the node: ``gpu-missing`` kills the ranks on the
+    GPU that disappeared (``gpu``), once, when the fault appears. ``pids_on(gpu)`` lists the live
+    rank pids holding a GPU (the agent's view)."""
+
+    def __init__(self, plan: FaultPlan, *, gpu: int, pids_on: Callable[[int], list[int]]):
+        self.plan = plan
+        self.gpu = gpu
+        self.pids_on = pids_on
+        self.fired = False
+
+    def tick(self) -> bool:
+        if self.fired or not self.plan.has("gpu-missing"):
+            return False
+        self.fired = True
+        for pid in self.pids_on(self.gpu):
+            log.warning("injected fault gpu-missing: GPU %s is gone, killing rank pid %s", self.gpu, pid)
+            try:
+                os.killpg(pid, signal.SIGKILL)  # ranks lead their own process group
+            except OSError:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        return True

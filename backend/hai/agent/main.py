@@ -31,7 +31,7 @@ from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected, 
 from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
 from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
-from hai.agent.faults import FaultPlan  # issue 10
+from hai.agent.faults import FaultEffects, FaultPlan  # issue 10
 from hai.agent.validators import Validator, make_context  # issue 10
 from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
 
@@ -129,6 +129,7 @@ class Agent:
         self.validator = Validator(make_context(
             fake=gpus.fake, inventory=self.node.gpu_inventory, checkpoint_root=self.node.checkpoint_root,
             sysfs=sysfs, faults=faults, busy_gpus=lambda: set(self.node.busy_gpus())), on_done=self._changed)
+        self.faults = faults
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
@@ -138,6 +139,11 @@ class Agent:
         self.connected = False
 
     # -------------------------------------------------------------- helpers
+
+    def _pids_on(self, gpu: int) -> list[int]:  # issue 10: for injected faults
+        with self.node.lock:
+            return [r.pid for a in self.node.attempts.values() for r in a.ranks
+                    if not r.ended and r.pid is not None and gpu in r.gpus]
 
     def _changed(self) -> None:
         self._dirty.set()
@@ -248,6 +254,9 @@ class Agent:
             self.node.recover()
             threads.append(self._loop("hai-agent-supervise", lambda: self.node.tick(), 0.1))
             threads.append(self._loop("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1))
+            if self.faults is not None and self.node.gpu_inventory:  # issue 10: injected faults' effects
+                effects = FaultEffects(self.faults, gpu=self.node.gpu_inventory[-1].index, pids_on=self._pids_on)
+                threads.append(self._loop("hai-agent-faults", effects.tick, 0.2))
             shipper.start()
             log.info("agent %s starting: server %s, %d %sGPU(s), state dir %s", self.node_name, self.server,
                      len(self.node.gpu_inventory), "fake " if self.gpus.fake else "", self.node.state_dir)
