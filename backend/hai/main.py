@@ -40,6 +40,7 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     errors.install(app)
     for module in (health, jobs, nodes, users, agent, metrics):
         app.include_router(module.router)
+    app.include_router(nodes.validations_router)  # issue 10: GET /api/v1/validations/{id}
 
     dist = (platform.settings if platform else (settings or get_settings())).frontend_dist or default_frontend_dist()
     if dist.is_dir() and (dist / "index.html").exists():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,6 +42,23 @@ class AgentSettings(BaseModel):
     stop_grace_s: float = 10.0
 
 
+class ValidationSettings(BaseModel):
+    """Node health (issue 10): validator rounds and the undrain gate."""
+
+    # quick checks every N heartbeats of a node (0: never)
+    quick_every_heartbeats: int = Field(default=30, ge=0)
+    # the full suite on every node on this schedule (Celery beat); weekly by default
+    full_every_s: float = Field(default=7 * 24 * 3600, gt=0)
+    # how long an undrain waits for its validation run before refusing
+    undrain_timeout_s: float = Field(default=600.0, gt=0)
+    # a run the agent has not answered within this long is marked expired
+    run_expire_s: float = Field(default=1800.0, gt=0)
+    # a job that failed on a node found faulty within this long after the failure is requeued
+    fault_window_s: float = Field(default=600.0, ge=0)
+    # the level of the run that gates a lost node's return to ready
+    return_level: Literal["quick", "full"] = "full"
+
+
 class AuthSettings(BaseModel):
     # tokens registered when the server starts (production bootstrap); defaults are refused
     # outside development
@@ -58,6 +76,7 @@ class Settings(BaseSettings):
     scheduler: SchedulerSettings = SchedulerSettings()
     agent: AgentSettings = AgentSettings()
     auth: AuthSettings = AuthSettings()
+    validation: ValidationSettings = ValidationSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

@@ -16,6 +16,7 @@ LEGAL = {
     (S.RUNNING, S.SUSPENDING), (S.RUNNING, S.SUCCEEDED), (S.RUNNING, S.FAILED), (S.RUNNING, S.CANCELLED),
     (S.RUNNING, S.QUEUED),
     (S.SUSPENDING, S.QUEUED), (S.SUSPENDING, S.SUCCEEDED), (S.SUSPENDING, S.FAILED), (S.SUSPENDING, S.CANCELLED),
+    (S.FAILED, S.QUEUED),  # issue 10: failed on a node found faulty soon after -> requeued
 }
 ALL_PAIRS = list(itertools.product(JobState, JobState))
 
@@ -33,9 +34,13 @@ def test_every_other_transition_is_refused(current, target):
     assert current.value in str(exc.value) and target.value in str(exc.value)
 
 
-@pytest.mark.parametrize("state", [S.SUCCEEDED, S.FAILED, S.CANCELLED])
+@pytest.mark.parametrize("state", [S.SUCCEEDED, S.CANCELLED])
 def test_terminal_states_allow_nothing(state):
     assert state.terminal and allowed_targets(state) == frozenset()
+
+
+def test_failed_allows_only_the_faulty_node_requeue():
+    assert S.FAILED.terminal and allowed_targets(S.FAILED) == frozenset({S.QUEUED})
 
 
 def test_active_states_are_those_holding_gpus():

@@ -60,3 +60,24 @@ def test_nothing_but_services_transition_writes_job_state():
                     if isinstance(t, ast.Attribute) and t.attr == "state" and isinstance(t.value, ast.Name) and t.value.id == "job":
                         offenders.append(str(path.relative_to(PKG)))
     assert offenders == []
+
+
+def test_nothing_but_services_node_state_writes_node_state():
+    """Issue 10: every node state change goes through services/node_state.set_node_state (and a
+    new node's first state through create_node there)."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "node_state.py" and path.parent.name == "services":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "state" and isinstance(t.value, ast.Name) and t.value.id in ("node", "n"):
+                    offenders.append(f"{path.relative_to(PKG)}:{node.lineno}")
+            # Node(..., state=...) outside the state module
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Node":
+                if any(k.arg == "state" for k in node.keywords):
+                    offenders.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert offenders == []

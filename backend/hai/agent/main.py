@@ -28,13 +28,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
 from hai.agent.client import AgentClient, ProtocolVersionUnsupported, Rejected
 from hai.agent.gpu import GpuBackend, discover_nics, make_gpu_backend
 from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
+from hai.agent.faults import FaultEffects, FaultPlan  # issue 10
+from hai.agent.validators import Validator, make_context  # issue 10
 from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
 
 log = logging.getLogger("hai.agent")
@@ -79,6 +81,7 @@ class _Result:
     sent_mono: float
     statuses: list[AttemptStatus]
     reply: ServerReply | None = None
+    validation_ids: list[int] = field(default_factory=list)  # issue 10: reports this request carried
     error: Exception | None = None
 
 
@@ -114,6 +117,7 @@ class AgentOptions:
     log_buffer_lines: int = 10000
     status_refresh_s: float = 5.0
     sysfs: str = "/sys"
+    inject_faults: tuple[str, ...] | None = None  # fake GPUs: KIND[@SECONDS] (agent/faults.py; issue 10)
 
     def gpu_backend(self) -> GpuBackend:
         indices = self.gpu_indices
@@ -165,6 +169,14 @@ class Agent:
             Periodic("hai-agent-supervise", self.node.tick, 0.1),
             Periodic("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1),
         ]
+        # issue 10: validator runs the server asks for, one at a time in their own thread
+        self.faults = FaultPlan.parse(list(o.inject_faults)) if o.inject_faults else None
+        self.validator = Validator(make_context(
+            fake=self.gpus.fake, inventory=self.node.gpu_inventory, checkpoint_root=self.node.checkpoint_root,
+            sysfs=o.sysfs, faults=self.faults, busy_gpus=lambda: set(self.node.busy_gpus())), on_done=self._changed)
+        if self.faults is not None and self.node.gpu_inventory:  # issue 10: injected faults' effects
+            effects = FaultEffects(self.faults, gpu=self.node.gpu_inventory[-1].index, pids_on=self._pids_on)
+            self.periodic.append(Periodic("hai-agent-faults", effects.tick, 0.2))
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
@@ -174,6 +186,11 @@ class Agent:
         self.connected = False
 
     # -------------------------------------------------------------- helpers
+
+    def _pids_on(self, gpu: int) -> list[int]:  # issue 10: for injected faults
+        with self.node.lock:
+            return [r.pid for a in self.node.attempts.values() for r in a.ranks
+                    if not r.ended and r.pid is not None and gpu in r.gpus]
 
     def _changed(self) -> None:
         self._dirty.set()
@@ -199,8 +216,10 @@ class Agent:
             if register:
                 res.reply = client.register(self._hello(statuses))
             else:
+                reports = self.validator.reports()  # issue 10
+                res.validation_ids = [r.run_id for r in reports]
                 hb = Heartbeat(node=self.node_name, gpus=self.node.gpu_metrics(), attempts=statuses,
-                               wait_s=wait_s, assignments_digest=self.digest)
+                               wait_s=wait_s, assignments_digest=self.digest, validations=reports)
                 res.reply = client.heartbeat(hb)
         except Exception as e:  # classified by _handle
             res.error = e
@@ -229,6 +248,9 @@ class Agent:
         reply = res.reply
         assert reply is not None
         self.node.mark_reported(res.statuses)
+        if not reply.reregister:  # issue 10: delivered reports, new validation runs
+            self.validator.acknowledge(res.validation_ids, reply.validations)
+            self.validator.submit(reply.validations)
         if reply.reregister:
             log.info("the server asks this node to register again")
             self.registered = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from hai.services.errors import Invalid, ServiceError, Unauthorized
+from hai.services.errors import ChecksFailed, Invalid, ServiceError, Unauthorized
 
 
 def install(app: FastAPI) -> None:
@@ -14,5 +14,7 @@ def install(app: FastAPI) -> None:
         if isinstance(exc, Invalid):
             body = {"detail": [{"loc": ["body", *exc.field.split(".")], "msg": exc.message, "type": "value_error"}]}
             return JSONResponse(body, status_code=422)
+        if isinstance(exc, ChecksFailed):
+            return JSONResponse({"detail": exc.body}, status_code=exc.status_code)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
         return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)

@@ -10,6 +10,7 @@ from sqlalchemy import func, select
 from hai.api.deps import CurrentUser, PlatformDep
 from hai.db.models import Job, JobAllocation, Node
 from hai.domain.jobs import JobState
+from hai.domain.nodes import NodeState
 from hai.services.context import Platform
 
 router = APIRouter(tags=["metrics"])
@@ -30,10 +31,10 @@ class _ClusterCollector:
             j.add_metric([state.value], jobs.get(state.value, 0))
         yield j
         n = GaugeMetricFamily("hai_nodes", "nodes by state", labels=["state"])
-        for state in ("ready", "draining", "drained", "unhealthy", "lost"):
-            n.add_metric([state], nodes.get(state, 0))
+        for state in NodeState:
+            n.add_metric([state.value], nodes.get(state.value, 0))
         yield n
-        yield GaugeMetricFamily("hai_gpus_total", "GPUs on ready nodes", value=int(gpus.get("ready") or 0))
+        yield GaugeMetricFamily("hai_gpus_total", "GPUs on ready nodes", value=int(gpus.get(NodeState.READY.value) or 0))
         yield GaugeMetricFamily("hai_gpus_allocated", "GPUs held by jobs", value=held)
 
 

@@ -198,25 +198,14 @@ def resume(job_id: int) -> None:
     _action(job_id, "resume")
 
 
-def nodes(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """List nodes."""
-    data = _call("GET", "/api/v1/nodes").json()
-    if as_json:
-        typer.echo(json.dumps(data, indent=2))
-        return
-    rows = [
-        [n["name"], n["zone"], n["leaf"], f"{n['free_gpus']}/{n['gpus']}", n["state"],
-         ",".join(str(j) for j in n["running_jobs"])]
-        for n in data
-    ]
-    _table(["NODE", "ZONE", "LEAF", "FREE", "STATE", "JOBS"], rows)
-
-
 def me() -> None:
     """Who the token belongs to."""
     typer.echo(json.dumps(_call("GET", "/api/v1/me").json()))
 
 
 def register(app: typer.Typer) -> None:
-    for fn in (submit, jobs, job, logs, cancel, suspend, resume, nodes, me):
+    for fn in (submit, jobs, job, logs, cancel, suspend, resume, me):
         app.command(fn.__name__)(fn)
+    from hai.cli import nodes  # issue 10: `hai nodes` with show/drain/undrain/validate
+
+    app.add_typer(nodes.app, name="nodes")

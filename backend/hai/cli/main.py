@@ -96,9 +96,20 @@ def agent(
     checkpoint_root: Annotated[str | None, typer.Option(help="where per-job checkpoint folders live")] = None,
     kill_grace_s: Annotated[float, typer.Option(min=0, help="SIGTERM to SIGKILL")] = 10.0,
     stop_jobs_on_exit: Annotated[bool, typer.Option(help="stop running jobs when the agent exits")] = False,
+    inject_faults: Annotated[list[str] | None, typer.Option(
+        "--inject-fault", help="fake GPUs only: a hardware fault KIND[@SECONDS] (xid:N, ecc, gpu-missing, slow-gemm), repeatable")] = None,
 ) -> None:
     """Run the node agent."""
+    from hai.agent.faults import BadFaultSpec, parse_fault
     from hai.agent.main import AgentOptions, run_agent
+
+    for spec in inject_faults or []:
+        if fake_gpus is None:
+            raise typer.BadParameter("--inject-fault needs --fake-gpus", param_hint="--inject-fault")
+        try:
+            parse_fault(spec)
+        except BadFaultSpec as e:
+            raise typer.BadParameter(str(e), param_hint="--inject-fault") from None
 
     indices = None
     if gpus:
@@ -111,6 +122,7 @@ def agent(
         server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
         state_dir=str(state_dir), address=address, gpu_indices=indices, checkpoint_root=checkpoint_root,
         kill_grace_s=kill_grace_s, stop_jobs_on_exit=stop_jobs_on_exit,
+        inject_faults=tuple(inject_faults) if inject_faults else None,
     ))
 
 

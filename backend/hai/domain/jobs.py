@@ -83,7 +83,7 @@ class IllegalTransition(Exception):
         self.target = target
 
 
-# FROM -> allowed TO states. Terminal states allow nothing.
+# FROM -> allowed TO states. Terminal states allow nothing, except FAILED -> QUEUED (faulty node).
 _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED, JobState.FAILED}),
     JobState.STARTING: frozenset(
@@ -114,7 +114,9 @@ _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         }
     ),
     JobState.SUCCEEDED: frozenset(),
-    JobState.FAILED: frozenset(),
+    # issue 10: a job that failed on a node found faulty within validation.fault_window_s after
+    # the failure was not the user's failure: it is requeued from its last checkpoint (a restart)
+    JobState.FAILED: frozenset({JobState.QUEUED}),
     JobState.CANCELLED: frozenset(),
 }
 

@@ -129,6 +129,8 @@ class Heartbeat(_Msg):
     wait_s: float = Field(default=0.0, ge=0.0, le=60.0)
     # a digest of the assignments the agent holds; the server answers at once if its own differs
     assignments_digest: str | None = None
+    # issue 10: finished validator runs, repeated until a reply no longer lists them
+    validations: list["ValidationReport"] = Field(default_factory=list)
 
 
 class LaunchSpec(_Msg):
@@ -171,6 +173,8 @@ class ServerReply(_Msg):
     assignments_digest: str
     heartbeat_interval_s: float = 1.0
     reregister: bool = False  # the server does not know this node: send AgentHello again
+    # issue 10: validator runs the server waits for (each run id is run once by the agent)
+    validations: list["ValidationRequest"] = Field(default_factory=list)
 
 
 class LogLine(_Msg):
@@ -193,3 +197,10 @@ class LogBatch(_Msg):
 
 class LogAck(_Msg):
     accepted: int
+
+
+# issue 10: validator messages (their own module); resolve the forward references above
+from hai.protocol.validation import ValidationReport, ValidationRequest  # noqa: E402
+
+Heartbeat.model_rebuild()
+ServerReply.model_rebuild()

@@ -5,6 +5,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from hai.domain.jobs import Priority
+from hai.domain.nodes import NodeState
 
 
 class UserRead(BaseModel):
@@ -50,7 +51,7 @@ class NodeRead(BaseModel):
     leaf: str
     gpus: int
     free_gpus: int
-    state: str
+    state: NodeState
     state_reason: str
     address: str
     fake_gpus: bool

@@ -1,5 +1,7 @@
 """The server side of the agent protocol: the handshake, heartbeats (apply the agent's report,
-answer with the node's assignments), and the reaper that marks silent nodes lost.
+answer with the node's assignments). The reaper that marks silent nodes lost
+is services/reaper.py; node health (validator runs, moving jobs off a node) is
+services/node_health.py, called from the hooks marked "issue 10".
 
 What a report means for a job lives in ``services.reports`` (rules: ``hai.domain.outcomes``);
 what a node should run in ``services.assignments``. A heartbeat builds the node's assignment
@@ -12,19 +14,18 @@ running: its GPUs are released) and the reply.
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
-
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import JobAllocation, Node
-from hai.domain.jobs import ACTIVE_STATES, JobState
+from hai.db.models import Node
+from hai.domain.nodes import NodeState
 from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, Heartbeat, ServerReply
-from hai.services import notify, reports
+from hai.services import node_health, notify, reports
 from hai.services.assignments import active_allocations, assigned, assignments_for, digest
 from hai.services.errors import UnsupportedProtocol
-from hai.services.jobs import publish_after_commit, transition
+from hai.services.jobs import publish_after_commit
+from hai.services.node_state import create_node
 from hai.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,9 +42,9 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     _check_version(hello.protocol_version)
     now = utcnow()
     node = session.scalar(select(Node).where(Node.name == hello.node).with_for_update())
-    if node is None:
-        node = Node(name=hello.node, registered_at=now)
-        session.add(node)
+    if node is None:  # issue 10: the node's first state goes through node_state
+        node = create_node(session, name=hello.node, state=NodeState.READY, actor="agent",
+                           reason="agent registered", now=now)
     if not node.labels_from_topology:
         if hello.zone:
             node.zone = hello.zone
@@ -59,13 +60,12 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     node.agent_version = hello.agent_version
     node.protocol_version = hello.protocol_version
     node.last_heartbeat_at = now
-    if node.state == "lost":
-        node.state = "ready"
-        node.state_reason = "agent registered again"
+    node_health.on_register(session, node, settings=settings, now=now)  # issue 10: lost -> validate first
     session.flush()
     allocs = active_allocations(session, node.name)
     reports.apply_reports(session, allocs, hello.attempts, now=now)
-    reply = _reply(node, [a for _, a in assigned(allocs, settings)], settings)
+    node_health.settle(session, node, now=now)  # issue 10
+    reply = _reply(session, node, [a for _, a in assigned(allocs, settings)], settings)
     publish_after_commit(session, notify.SCHEDULER)
     session.commit()
     return reply
@@ -77,7 +77,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     node = session.scalar(select(Node).where(Node.name == hb.node))
     if node is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
-    if node.state == "lost":
+    if node_health.must_reregister(node):  # issue 10
         # the server gave this node's work away; the agent must hand in its inventory again
         session.commit()
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
@@ -91,57 +91,30 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
         held, changed = reports.release_unreported_stops(session, held, reported, now=now)
         if changed:  # rare: a job moved on; its other allocations' actions may read differently
             held = assigned(allocs, settings)
-    reply = _reply(node, [a for _, a in held], settings)
+    # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
+    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now):
+        held = assigned(allocs, settings)
+    reply = _reply(session, node, [a for _, a in held], settings)
     session.commit()
     return reply
 
 
 def current_reply(*, session: Session, node_name: str, settings: Settings) -> ServerReply:
     node = session.scalar(select(Node).where(Node.name == node_name))
-    if node is None or node.state == "lost":
+    if node is None or node_health.must_reregister(node):  # issue 10
         return ServerReply(node=node_name, assignments_digest="", reregister=True)
-    reply = _reply(node, assignments_for(session, node.name, settings), settings)
+    reply = _reply(session, node, assignments_for(session, node.name, settings), settings)
     session.commit()
     return reply
 
 
-def _reply(node: Node, assignments: list[Assignment], settings: Settings) -> ServerReply:
+def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings) -> ServerReply:
     return ServerReply(
         node=node.name,
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
+        validations=node_health.pending_requests(session, node),  # issue 10
     )
 
 
-# -- the reaper ----------------------------------------------------------------------------
-def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | None = None) -> list[str]:
-    """Nodes silent for longer than agent.lost_after_s become ``lost``; their GPUs are given up
-    and the jobs that ran there go back to the queue (a restart, not a suspension)."""
-    now = now or utcnow()
-    cutoff = now - timedelta(seconds=settings.agent.lost_after_s)
-    lost = list(
-        session.scalars(
-            select(Node).where(Node.state != "lost", Node.last_heartbeat_at.is_not(None), Node.last_heartbeat_at < cutoff)
-            .with_for_update()
-        )
-    )
-    for node in lost:
-        node.state = "lost"
-        node.state_reason = f"no heartbeat since {node.last_heartbeat_at.isoformat()}"
-        allocs = list(
-            session.scalars(
-                select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active.is_(True))
-            )
-        )
-        for alloc in allocs:
-            reports.release(alloc, now)
-            job = alloc.job
-            if alloc.attempt == job.attempt and JobState(job.state) in ACTIVE_STATES:
-                job.restarts += 1
-                transition(session, job, JobState.QUEUED, reason=f"node {node.name} was lost; requeued", now=now)
-                job.pending_reason = f"requeued after node {node.name} was lost"
-    if lost:
-        publish_after_commit(session, notify.SCHEDULER)
-    session.commit()
-    return [n.name for n in lost]

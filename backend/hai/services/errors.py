@@ -27,6 +27,19 @@ class Conflict(ServiceError):
     status_code = 409
 
 
+class ChecksFailed(Conflict):
+    """An undrain refused because critical validator checks failed (issue 10). The body names
+    them: {"detail": {"message": ..., "failed_checks": [{name, value, threshold, unit, detail}]}}."""
+
+    def __init__(self, message: str, failed_checks: list[dict]):
+        super().__init__(message)
+        self.failed_checks = failed_checks
+
+    @property
+    def body(self) -> dict:
+        return {"message": self.message, "failed_checks": self.failed_checks}
+
+
 class Invalid(ServiceError):
     """A request that is well-formed but cannot be accepted; reported like a validation error."""
 

@@ -10,7 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.models import JobAllocation, Node
-from hai.services.errors import Invalid
+from hai.domain.nodes import NodeState
+from hai.services.errors import Invalid, NotFound
+from hai.services.node_state import create_node
 
 
 @dataclass
@@ -33,6 +35,20 @@ def list_nodes(*, session: Session) -> list[NodeSummary]:
     ]
 
 
+def node_summary(*, session: Session, name: str) -> NodeSummary:
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        raise NotFound(f"node {name} not found")
+    held: set[int] = set()
+    jobs: set[int] = set()
+    for alloc in session.scalars(
+        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active.is_(True))
+    ):
+        held.update(alloc.gpus)
+        jobs.add(alloc.job_id)
+    return NodeSummary(node=node, free_gpus=node.gpus - len(held), running_jobs=sorted(jobs))
+
+
 def load_topology(*, session: Session, path: Path) -> int:
     """Create or relabel nodes from a CSV with the header node,gpus,leaf,zone. Nodes appear
     as 'lost' (no agent yet) until their agent registers; labels in the file win."""
@@ -46,8 +62,8 @@ def load_topology(*, session: Session, path: Path) -> int:
     for row in rows:
         node = existing.get(row["node"])
         if node is None:
-            node = Node(name=row["node"], state="lost", state_reason="no agent has registered yet")
-            session.add(node)
+            node = create_node(session, name=row["node"], state=NodeState.LOST, actor="topology",
+                               reason="no agent has registered yet")
         node.zone = row["zone"]
         node.leaf = row["leaf"]
         node.labels_from_topology = True

@@ -18,8 +18,10 @@ from hai.domain import outcomes
 from hai.domain.jobs import JobState
 from hai.domain.outcomes import AttemptReports, NodeReport, Outcome, RankReport, Verdict
 from hai.protocol import Assignment, AttemptStatus, DesiredAction
+from hai.services import node_health
 from hai.services.assignments import expected_ranks
 from hai.services.jobs import transition
+from hai.settings import get_settings
 
 
 def node_report(alloc: JobAllocation, status: AttemptStatus) -> NodeReport:
@@ -121,6 +123,9 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> Outcome | None
     if outcome is None:
         return None
     if outcome.verdict == Verdict.FAILED:
+        # issue 10: ranks killed by a faulty node end the attempt as a restart, not the job's failure
+        if node_health.on_job_failing(session, job, reason=outcome.reason, settings=get_settings(), now=now):
+            return outcome
         job.exit_code = outcome.exit_code
         job.failure_reason = outcome.reason
         transition(session, job, JobState.FAILED, reason=outcome.reason, now=now)
@@ -135,6 +140,10 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> Outcome | None
 
 
 def _suspended(session: Session, job: Job, outcome: Outcome, *, now: datetime) -> None:
+    # issue 10: a move off a drained/unhealthy node requeues without counting a suspension
+    if node_health.absorb_move(session, job, ready=outcome.at_checkpoint, forced_reason=outcome.forced_reason,
+                               now=now):
+        return
     ckpt = job.last_checkpoint or {}
     attempt_start = job.attempt_started_at.timestamp() if job.attempt_started_at else now.timestamp()
     reason, lost = outcomes.suspension_reason(

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from hai.services import agents, notify
+from hai.services import notify, reaper
 from hai.services.context import Platform
 from hai.services.leader import NotLeader, leadership
 from hai.services.scheduling import run_cycle
@@ -51,7 +51,7 @@ class SchedulerLoop:
     def cycle_once(self) -> None:
         settings = self.platform.settings
         with self.platform.sessions() as session:
-            agents.mark_lost_nodes(session=session, settings=settings)
+            reaper.mark_lost_nodes(session=session, settings=settings)
         with self.platform.sessions() as session:
             run_cycle(session, settings=settings)
 

@@ -15,13 +15,14 @@ from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, Node, Quota, UserUsage
 from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
+from hai.domain.nodes import SCHEDULABLE_STATES
 from hai.services import notify
 from hai.services.jobs import publish_after_commit, record_event, transition
 from hai.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SCHEDULABLE_NODE_STATES = frozenset({"ready"})
+SCHEDULABLE_NODE_STATES = frozenset(s.value for s in SCHEDULABLE_STATES)
 
 
 def policy_from_settings(settings: Settings) -> sched.Policy:

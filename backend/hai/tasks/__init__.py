@@ -17,7 +17,8 @@ class HaiCelery(Celery):
     """Reads its broker from settings when first configured, not at import time."""
 
     def on_configure(self) -> None:
-        url = get_settings().redis.url or "redis://127.0.0.1:6379/0"
+        settings = get_settings()
+        url = settings.redis.url or "redis://127.0.0.1:6379/0"
         self.conf.update(
             broker_url=url,
             result_backend=url,
@@ -27,6 +28,7 @@ class HaiCelery(Celery):
             beat_schedule={
                 "reap-lost-nodes": {"task": "hai.tasks.reap_lost_nodes", "schedule": 10.0},
                 "prune-logs": {"task": "hai.tasks.prune_logs", "schedule": 3600.0},
+                "validate-nodes": {"task": "hai.tasks.validate_nodes", "schedule": settings.validation.full_every_s},
             },
         )
 
@@ -43,11 +45,25 @@ def _platform():  # one per worker process, built on first use
 
 @app.task(name="hai.tasks.reap_lost_nodes")
 def reap_lost_nodes() -> list[str]:
-    from hai.services.agents import mark_lost_nodes
+    from hai.services.node_health import expire_runs
+    from hai.services.reaper import mark_lost_nodes
 
     platform = _platform()
     with platform.sessions() as session:
-        return mark_lost_nodes(session=session, settings=platform.settings)
+        lost = mark_lost_nodes(session=session, settings=platform.settings)
+    with platform.sessions() as session:
+        expire_runs(session=session, settings=platform.settings)
+    return lost
+
+
+@app.task(name="hai.tasks.validate_nodes")
+def validate_nodes() -> list[int]:
+    """The scheduled full validator round (validation.full_every_s; weekly by default)."""
+    from hai.services.node_health import schedule_full_round
+
+    platform = _platform()
+    with platform.sessions() as session:
+        return schedule_full_round(session=session, settings=platform.settings)
 
 
 @app.task(name="hai.tasks.prune_logs")

@@ -9,6 +9,7 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String,
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from hai.db.base import Base, UTCDateTime, utcnow
+from hai.protocol.node_state import NodeState
 
 
 class User(Base):
@@ -47,8 +48,8 @@ class Node(Base):
     zone: Mapped[str] = mapped_column(String(64), default="default")
     leaf: Mapped[str] = mapped_column(String(64), default="default")
     gpus: Mapped[int] = mapped_column(Integer, default=0)
-    # ready | draining | drained | unhealthy | lost
-    state: Mapped[str] = mapped_column(String(16), default="ready")
+    # a NodeState; written only by services.node_state.set_node_state (and create_node)
+    state: Mapped[str] = mapped_column(String(16), default=NodeState.READY.value)
     address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
     fake_gpus: Mapped[bool] = mapped_column(Boolean, default=False)
     gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
@@ -61,6 +62,77 @@ class Node(Base):
     state_reason: Mapped[str] = mapped_column(String(512), default="")
     # zone/leaf came from a topology file (`--topology`): they win over the agent's labels
     labels_from_topology: Mapped[bool] = mapped_column(Boolean, default=False)
+    # issue 10: node health
+    state_changed_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    state_detail: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # e.g. the failed checks
+    # the validation run that must pass before a returning (lost) node takes work again
+    return_validation_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    heartbeats_since_quick: Mapped[int] = mapped_column(Integer, default=0)
+
+    events: Mapped[list["NodeEvent"]] = relationship(
+        back_populates="node", order_by="NodeEvent.id", cascade="all, delete-orphan", lazy="select"
+    )
+
+
+class NodeEvent(Base):
+    """One change of a node's state: when, from, to, who or what, why."""
+
+    __tablename__ = "node_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    to_state: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(128), default="")  # admin:<name> | validator | reaper | agent
+    reason: Mapped[str] = mapped_column(Text, default="")
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+    node: Mapped[Node] = relationship(back_populates="events")
+
+
+class ValidationRun(Base):
+    """One validator run on one node (kept forever, newest first in the API)."""
+
+    __tablename__ = "validation_runs"
+    __table_args__ = (Index("ix_validation_runs_node_id", "node_name", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_name: Mapped[str] = mapped_column(String(128))
+    level: Mapped[str] = mapped_column(String(8), default="full")  # quick | full
+    # manual | undrain | schedule | periodic | return | job_failed | xid
+    trigger: Mapped[str] = mapped_column(String(16), default="manual")
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending | passed | failed | expired
+    requested_by: Mapped[str] = mapped_column(String(128), default="")
+    requested_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    summary: Mapped[str] = mapped_column(Text, default="")
+
+    checks: Mapped[list["ValidationCheck"]] = relationship(
+        back_populates="run", order_by="ValidationCheck.position", cascade="all, delete-orphan", lazy="selectin"
+    )
+
+
+class ValidationCheck(Base):
+    __tablename__ = "validation_checks"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("validation_runs.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    name: Mapped[str] = mapped_column(String(64))
+    level: Mapped[str] = mapped_column(String(8))
+    critical: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(8))  # passed | failed | skipped
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    threshold: Mapped[float | None] = mapped_column(Float, nullable=True)
+    unit: Mapped[str] = mapped_column(String(32), default="")
+    detail: Mapped[str] = mapped_column(Text, default="")
+    duration_s: Mapped[float] = mapped_column(Float, default=0.0)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+    run: Mapped[ValidationRun] = relationship(back_populates="checks")
 
 
 class Job(Base):
@@ -111,6 +183,8 @@ class Job(Base):
     suspend_for_job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     suspend_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     user_suspended: Mapped[bool] = mapped_column(Boolean, default=False)  # held by its owner
+    # issue 10: the suspension moves the job off a node (drain | unhealthy), not the scheduler's
+    move_cause: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     # reported by the job through the SDK
     last_checkpoint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
@@ -203,4 +277,7 @@ class UserUsage(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-__all__ = ["ApiToken", "Base", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "Quota", "User", "UserUsage"]
+__all__ = [
+    "ApiToken", "Base", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "NodeEvent", "Quota", "User",
+    "UserUsage", "ValidationCheck", "ValidationRun",
+]

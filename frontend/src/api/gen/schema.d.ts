@@ -200,6 +200,107 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/v1/nodes/{name}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Get Node
+         * @description The node with its state, state_reason, events (oldest first) and latest finished validation.
+         */
+        get: operations["get_node_api_v1_nodes__name__get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/nodes/{name}/drain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Drain
+         * @description Take the node out of scheduling; its jobs move off at their checkpoint (admins only).
+         */
+        post: operations["drain_api_v1_nodes__name__drain_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/nodes/{name}/undrain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Undrain
+         * @description Back to ready after a passing full validation (waits for it); 409 names the failed checks.
+         *     ``force`` skips the gate and records that it was forced (admins only).
+         */
+        post: operations["undrain_api_v1_nodes__name__undrain_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/nodes/{name}/validate": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Validate
+         * @description Run the validator suite on the node now (full by default); answers with the run (its id).
+         */
+        post: operations["validate_api_v1_nodes__name__validate_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/nodes/{name}/validations": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * List Validations
+         * @description The node's validation runs, newest first, each with its checks.
+         */
+        get: operations["list_validations_api_v1_nodes__name__validations_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/quotas": {
         parameters: {
             query?: never;
@@ -248,6 +349,23 @@ export interface paths {
         post?: never;
         /** Revoke Token */
         delete: operations["revoke_token_api_v1_tokens__token_id__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/validations/{run_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Get Validation */
+        get: operations["get_validation_api_v1_validations__run_id__get"];
+        put?: never;
+        post?: never;
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -371,6 +489,46 @@ export interface components {
             /** Suspend Requested At */
             suspend_requested_at?: number | null;
         };
+        /** CheckResult */
+        CheckResult: {
+            /** Critical */
+            critical: boolean;
+            /** Data */
+            data?: {
+                [key: string]: unknown;
+            };
+            /**
+             * Detail
+             * @default
+             */
+            detail: string;
+            /**
+             * Duration S
+             * @default 0
+             */
+            duration_s: number;
+            /**
+             * Level
+             * @enum {string}
+             */
+            level: "quick" | "full";
+            /** Name */
+            name: string;
+            /**
+             * Status
+             * @enum {string}
+             */
+            status: "passed" | "failed" | "skipped";
+            /** Threshold */
+            threshold?: number | null;
+            /**
+             * Unit
+             * @default
+             */
+            unit: string;
+            /** Value */
+            value?: number | null;
+        };
         /** CheckpointInfo */
         CheckpointInfo: {
             /** At */
@@ -393,12 +551,39 @@ export interface components {
             /** Step */
             step?: number | null;
         };
+        /** ChecksFailedDetail */
+        ChecksFailedDetail: {
+            /** Failed Checks */
+            failed_checks: components["schemas"]["FailedCheckRead"][];
+            /** Message */
+            message: string;
+        };
+        /**
+         * ChecksFailedError
+         * @description The 409 body of a refused undrain.
+         */
+        ChecksFailedError: {
+            detail: components["schemas"]["ChecksFailedDetail"];
+        };
         /**
          * DesiredAction
          * @description What the server wants done with an attempt (``Assignment.action``, ``Job.desired_action``).
          * @enum {string}
          */
         DesiredAction: "run" | "suspend" | "stop";
+        /** FailedCheckRead */
+        FailedCheckRead: {
+            /** Detail */
+            detail: string;
+            /** Name */
+            name: string;
+            /** Threshold */
+            threshold: number | null;
+            /** Unit */
+            unit: string;
+            /** Value */
+            value: number | null;
+        };
         /** GpuInfo */
         GpuInfo: {
             /** Index */
@@ -494,6 +679,8 @@ export interface components {
              * @default 1
              */
             protocol_version: number;
+            /** Validations */
+            validations?: components["schemas"]["ValidationReport"][];
             /**
              * Wait S
              * @default 0
@@ -743,6 +930,67 @@ export interface components {
             /** Numa Node */
             numa_node?: number | null;
         };
+        /** NodeDetail */
+        NodeDetail: {
+            /** Address */
+            address: string;
+            /** Events */
+            events: components["schemas"]["NodeEventRead"][];
+            /** Fake Gpus */
+            fake_gpus: boolean;
+            /** Free Gpus */
+            free_gpus: number;
+            /** Gpu Metrics */
+            gpu_metrics: components["schemas"]["GpuRead"][];
+            /** Gpus */
+            gpus: number;
+            /** Last Heartbeat At */
+            last_heartbeat_at: string | null;
+            latest_validation?: components["schemas"]["ValidationRunRead"] | null;
+            /** Leaf */
+            leaf: string;
+            /** Name */
+            name: string;
+            /** Running Jobs */
+            running_jobs: number[];
+            state: components["schemas"]["NodeState"];
+            /** State Changed At */
+            state_changed_at?: string | null;
+            /** State Detail */
+            state_detail?: {
+                [key: string]: unknown;
+            } | null;
+            /** State Reason */
+            state_reason: string;
+            /** Zone */
+            zone: string;
+        };
+        /** NodeDrain */
+        NodeDrain: {
+            /**
+             * Reason
+             * @description why the node is taken out (required)
+             */
+            reason: string;
+        };
+        /** NodeEventRead */
+        NodeEventRead: {
+            /** Actor */
+            actor: string;
+            /**
+             * At
+             * Format: date-time
+             */
+            at: string;
+            /** Detail */
+            detail?: {
+                [key: string]: unknown;
+            } | null;
+            from_state: components["schemas"]["NodeState"] | null;
+            /** Reason */
+            reason: string;
+            to_state: components["schemas"]["NodeState"];
+        };
         /** NodeRead */
         NodeRead: {
             /** Address */
@@ -763,12 +1011,34 @@ export interface components {
             name: string;
             /** Running Jobs */
             running_jobs: number[];
-            /** State */
-            state: string;
+            state: components["schemas"]["NodeState"];
             /** State Reason */
             state_reason: string;
             /** Zone */
             zone: string;
+        };
+        /**
+         * NodeState
+         * @enum {string}
+         */
+        NodeState: "ready" | "draining" | "drained" | "unhealthy" | "lost";
+        /** NodeUndrain */
+        NodeUndrain: {
+            /**
+             * Force
+             * @description skip the validation gate (recorded as forced)
+             * @default false
+             */
+            force: boolean;
+        };
+        /** NodeValidate */
+        NodeValidate: {
+            /**
+             * Level
+             * @default full
+             * @enum {string}
+             */
+            level: "quick" | "full";
         };
         /** PlacementRead */
         PlacementRead: {
@@ -867,6 +1137,8 @@ export interface components {
              * @default false
              */
             reregister: boolean;
+            /** Validations */
+            validations?: components["schemas"]["ValidationRequest"][];
         };
         /**
          * StopCause
@@ -930,6 +1202,31 @@ export interface components {
             /** Name */
             name: string;
         };
+        /** ValidationCheckRead */
+        ValidationCheckRead: {
+            /** Critical */
+            critical: boolean;
+            /** Data */
+            data?: {
+                [key: string]: unknown;
+            };
+            /** Detail */
+            detail: string;
+            /** Duration S */
+            duration_s: number;
+            /** Level */
+            level: string;
+            /** Name */
+            name: string;
+            /** Status */
+            status: string;
+            /** Threshold */
+            threshold: number | null;
+            /** Unit */
+            unit: string;
+            /** Value */
+            value: number | null;
+        };
         /** ValidationError */
         ValidationError: {
             /** Context */
@@ -942,6 +1239,63 @@ export interface components {
             msg: string;
             /** Error Type */
             type: string;
+        };
+        /** ValidationReport */
+        ValidationReport: {
+            /** Checks */
+            checks?: components["schemas"]["CheckResult"][];
+            /** Finished At */
+            finished_at: number;
+            /**
+             * Level
+             * @enum {string}
+             */
+            level: "quick" | "full";
+            /** Run Id */
+            run_id: number;
+            /** Started At */
+            started_at: number;
+        };
+        /** ValidationRequest */
+        ValidationRequest: {
+            /** Expected Gpus */
+            expected_gpus?: components["schemas"]["GpuInfo"][];
+            /**
+             * Level
+             * @default full
+             * @enum {string}
+             */
+            level: "quick" | "full";
+            /** Run Id */
+            run_id: number;
+        };
+        /** ValidationRunRead */
+        ValidationRunRead: {
+            /** Checks */
+            checks: components["schemas"]["ValidationCheckRead"][];
+            /** Finished At */
+            finished_at: string | null;
+            /** Id */
+            id: number;
+            /** Level */
+            level: string;
+            /** Node */
+            node: string;
+            /**
+             * Requested At
+             * Format: date-time
+             */
+            requested_at: string;
+            /** Requested By */
+            requested_by: string;
+            /** Started At */
+            started_at: string | null;
+            /** Status */
+            status: string;
+            /** Summary */
+            summary: string;
+            /** Trigger */
+            trigger: string;
         };
     };
     responses: never;
@@ -1323,6 +1677,184 @@ export interface operations {
             };
         };
     };
+    get_node_api_v1_nodes__name__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NodeDetail"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    drain_api_v1_nodes__name__drain_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["NodeDrain"];
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NodeDetail"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    undrain_api_v1_nodes__name__undrain_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["NodeUndrain"] | null;
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NodeDetail"];
+                };
+            };
+            /** @description Conflict */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ChecksFailedError"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    validate_api_v1_nodes__name__validate_post: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["NodeValidate"] | null;
+            };
+        };
+        responses: {
+            /** @description Successful Response */
+            202: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRunRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    list_validations_api_v1_nodes__name__validations_get: {
+        parameters: {
+            query?: {
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRunRead"][];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
     get_quotas_api_v1_quotas_get: {
         parameters: {
             query?: never;
@@ -1447,6 +1979,37 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["TokenRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    get_validation_api_v1_validations__run_id__get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                run_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ValidationRunRead"];
                 };
             };
             /** @description Validation Error */

@@ -1,0 +1,49 @@
+"""Validator messages: the server asks for a run in its reply, the agent answers in a heartbeat.
+
+Replay-safe like the rest of the protocol: the server lists every run it still waits for in each
+reply (the agent runs each id once and remembers it); the agent repeats a finished report in each
+heartbeat until a reply no longer lists that run.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hai.protocol.messages import GpuInfo
+
+Level = Literal["quick", "full"]
+CheckStatus = Literal["passed", "failed", "skipped"]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ValidationRequest(_Msg):
+    run_id: int
+    level: Level = "full"
+    # the node's registered inventory: the GPU check compares what it finds against it
+    expected_gpus: list[GpuInfo] = Field(default_factory=list)
+
+
+class CheckResult(_Msg):
+    name: str
+    level: Level
+    critical: bool
+    status: CheckStatus
+    value: float | None = None  # the measured figure (failed and passed)
+    threshold: float | None = None  # the limit it was judged against
+    unit: str = ""
+    detail: str = ""  # why it failed or was skipped; what it saw
+    duration_s: float = 0.0
+    data: dict = Field(default_factory=dict)  # structured extras (e.g. the Xid events found)
+
+
+class ValidationReport(_Msg):
+    run_id: int
+    level: Level
+    started_at: float
+    finished_at: float
+    checks: list[CheckResult] = Field(default_factory=list)
