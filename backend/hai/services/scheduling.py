@@ -243,10 +243,15 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         job.suspend_for_job_id = suspend.for_job_id
         transition(session, job, JobState.SUSPENDING, reason=suspend.reason, now=now)
 
-    for job_id, reserved in decisions.reservations.items():
-        job = jobs.get(job_id)
-        if job is not None and job.state == JobState.QUEUED.value and list(job.reserved_nodes or []) != list(reserved):
-            job.reserved_nodes = list(reserved)
+    # ``decisions.reservations`` is the complete set after this cycle: a queued job of the
+    # snapshot that is absent from it holds no reservation any more (every such job is in
+    # ``jobs``: it started, or it has a pending reason)
+    for job in jobs.values():
+        if job.state != JobState.QUEUED.value:
+            continue
+        reserved = list(decisions.reservations.get(job.id, ()))
+        if list(job.reserved_nodes or []) != reserved:
+            job.reserved_nodes = reserved
 
     for job_id, reason in decisions.pending_reasons.items():
         job = jobs.get(job_id)
