@@ -17,22 +17,17 @@ from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
 from hai.services import notify
 from hai.services.jobs import publish_after_commit, record_event, transition
-from hai.settings import Settings
+from hai.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
 SCHEDULABLE_NODE_STATES = frozenset({"ready"})
 
 
-def policy_from_settings(settings: Settings) -> sched.Policy:
-    s = settings.scheduler
-    return sched.Policy(
-        min_runtime_s=s.min_runtime_s,
-        demote_after_s=s.demote_after_s,
-        quantum_s=s.quantum_s,
-        wait_threshold_s=s.wait_threshold_s,
-        usage_half_life_s=s.usage_half_life_s,
-    )
+def policy_from_settings(settings: Settings | None = None) -> sched.Policy:
+    """The scheduling policy of ``settings`` (default: ``get_settings()``): HAI_SCHEDULER__*.
+    The one place the server, ``hai scheduler`` and ``hai sim`` get their policy from."""
+    return (settings if settings is not None else get_settings()).scheduler.policy()
 
 
 @dataclass
