@@ -39,6 +39,7 @@ from hai.domain.scheduler.model import (
     Snapshot,
     Start,
     Suspend,
+    SuspendCode,
 )
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot, Placement
 from hai.domain.scheduler.preemption import Plan, RunningTable, plan_multi, plan_single
@@ -549,6 +550,7 @@ class _Cycle:
             ran = fmt_duration(table.runtime[i])
             lost = table.lost[i]
             if vrank < _rank(job.priority):
+                code = SuspendCode.OUTRANKED
                 mr = v.min_runtime_s if v.min_runtime_s is not None else pol.min_runtime_s
                 why = (
                     f"suspend at its next checkpoint for job {job.id} ({job.priority.value} outranks"
@@ -556,12 +558,13 @@ class _Cycle:
                     f" ~{lost:.0f} GPU-seconds since its last checkpoint"
                 )
             else:
+                code = SuspendCode.TIME_SHARING
                 why = (
                     f"time-sharing: it ran {ran}, past the {fmt_duration(pol.quantum_s)} quantum at"
                     f" {_BY_RANK[vrank].value}; job {job.id} of user {job.user} has waited"
                     f" {fmt_duration(self.now - job.queued_at)}; ~{lost:.0f} GPU-seconds since its last checkpoint"
                 )
-            d.suspends.append(Suspend(v.id, why, for_job_id=job.id))
+            d.suspends.append(Suspend(v.id, why, for_job_id=job.id, code=code))
         if plan.victims:
             self.plans_applied += 1
         names = tuple(s.name for s in plan.slots)
