@@ -205,6 +205,8 @@ class RunningTable:
         return got
 
     def _make_eligible(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
+        """``victims.outranks`` and (time-sharing) ``victims.may_take_turn``, inline (called
+        for every candidate victim of every plan)."""
         ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
 
         if time_sharing:

@@ -22,6 +22,21 @@ from hai.domain.scheduler.preemption import RunningTable
 
 RANK_BY_ID = {id(p): p.rank for p in Priority}  # identity lookup: enum hashing is slow in a hot loop
 _NORMAL_RANK = Priority.NORMAL.rank
+DEMOTED = Priority.ABOVE_NORMAL  # the priority whose jobs run at NORMAL after ``demote_after_s``
+
+
+# Who may be suspended for whom (beside the minimum runtime, which every victim must have run,
+# and "never a job already suspending or already chosen"); ``preemption.RunningTable`` applies
+# the same rules inline in its hot loop, the simulator's idle-cycle rules ask these.
+def outranks(waiter_rank: int, victim_rank: int) -> bool:
+    """Priority preemption: a waiting job may suspend a job of lower effective priority."""
+    return victim_rank < waiter_rank
+
+
+def may_take_turn(waiter_rank: int, waiter_user: str, victim_rank: int, victim_user: str) -> bool:
+    """Time-sharing (the victim ran its quantum, the waiter waited past the threshold): only a
+    job of the waiter's priority and of another user."""
+    return victim_rank == waiter_rank and victim_user != waiter_user
 
 
 def rank(p: Priority) -> int:
@@ -61,7 +76,7 @@ class VictimFacts:
             if target is not None and target in self.queued_ids:
                 self.pending_targets[target] = True
                 self.members.append(i)
-        above_rank = Priority.ABOVE_NORMAL.rank
+        above_rank = DEMOTED.rank
         if above_rank in eff:
             demote_after = policy.demote_after_s
             for i, r in enumerate(running):
