@@ -11,13 +11,13 @@ The cycle reads as a script (``_Cycle.run``), in the manner of Kueue's ``schedul
    quotas (``quota.QuotaBook``); the reserved nodes, kept out of the index
    (``reservations.Reservations``, which also owns the memos that only hold while no capacity
    comes back, ``reservations.Memo``).
-3. For each level, nominate each job, one ladder of exits (``_process``): asks for no GPUs ->
-   waits; quota-blocked -> waits; placed (fat-tree rules in ``placement``) -> starts; a plan of
-   suspensions (``preemption``) -> reserves the nodes being freed; waited past the threshold ->
-   time-sharing candidate; else waits, with the placement failure and what preemption could not
-   do (``explain``). The fast path in ``_nominate_level`` is the same ladder answered from the
-   cycle's memos (the shape already failed to place, no reservation or suspension for the job,
-   no plan possible or the per-cycle cap reached): it exits at the rung ``_process`` would.
+3. For each level, nominate each job down one ladder of exits (``_nominate_level``, where the
+   outcome of every job is set): asks for no GPUs -> waits; quota-blocked -> waits; placed
+   (fat-tree rules in ``placement``) -> starts; a plan of suspensions (``preemption``) ->
+   reserves the nodes being freed; waited past the threshold -> time-sharing candidate; else
+   waits, with the placement failure and what preemption could not do (``explain``). A rung is
+   answered from the cycle's memos when they hold the answer (the shape already failed to
+   place; no plan possible, or the per-cycle cap reached), which keeps a 10,000-job queue cheap.
 4. After each level, time-sharing (``_time_share``): the level's jobs that waited past the
    threshold and are still unplaced, in order of their user's recent usage (least first), may
    take over from jobs of the same priority (other users) that have run a full quantum.
@@ -150,6 +150,13 @@ class _Cycle:
 
     # -- 3. nominate ---------------------------------------------------------------------------
     def _nominate_level(self, rank: int, jobs: list[QueuedJob]) -> _Waiters:
+        """Each job of the level down one ladder of exits; the outcome of each is set here.
+
+        A rung is answered from the cycle's memos for a *plain* job (nothing reserved for it,
+        nothing suspending for it, not cross-zone) when they hold the answer: its shape already
+        failed to place, no plan is possible for it or the per-cycle cap is reached. A job all of
+        whose rungs were answered that way joins its (user, shape) group for time-sharing (the
+        group shares one attempt); the others are time-shared one by one."""
         pol = self.policy
         ts_on = pol.time_sharing and pol.preemption
         ts_since = self.now - pol.wait_threshold_s  # queued at or before this: past the threshold
@@ -159,76 +166,71 @@ class _Cycle:
         quota = self.quota if self.quota.enabled else None
         cap = pol.max_preemptions_per_cycle
         mpr = self.facts.min_preemptible_rank
-        waiters = _Waiters()
-        flat: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
-        final: dict[tuple[str, bool], str] = {}  # (placement reason, deferred) -> full reason
         prio_possible = pol.preemption and mpr is not None and mpr < rank
+        waiters = _Waiters()
+        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
+        final: dict[tuple[str, bool], str] = {}  # (placement failure, deferred) -> pending reason
         for job in jobs:
-            # fast path: a job whose shape already failed this cycle, nothing reserved for it,
-            # and no preemption left to try; the full path handles everything else
             jid = job.id
-            if (owned and jid in owned) or (pt and jid in pt) or job.allow_cross_zone:
-                self._process(job, waiters)
-                continue
             n, g = job.nodes, job.gpus_per_node
-            reason = place_fail.get((n, g, False))
-            # (a job within every cap's least headroom is within its quotas: no call needed)
-            if reason is None or (
-                quota is not None and n * g > quota.min_headroom and quota.blocked(job) is not None
-            ):
-                self._process(job, waiters)
+            plain = not ((owned and jid in owned) or (pt and jid in pt) or job.allow_cross_zone)
+            # 1. asks for nothing
+            if n < 1 or g < 1:
+                pend[jid] = "asks for no GPUs; nothing to schedule"
+                self.res.drop(jid)
                 continue
-            deferred = False
-            if prio_possible and (n, g, rank, False, "") not in plan_fail:
-                if self.plans_applied < cap:
-                    self._process(job, waiters)
+            # 2. quota (a job within every cap's least headroom is within its quotas: no call)
+            if quota is not None and n * g > quota.min_headroom:
+                blocked = quota.blocked(job)
+                if blocked:
+                    pend[jid] = blocked
+                    self.res.drop(jid)
                     continue
-                deferred = True
+            # 3. placement -> started
+            reason = place_fail.get((n, g, False)) if plain else None
+            memo_only = reason is not None
+            if reason is None:
+                placement, reason, allocs = self._try_place(job, self.res.extras(job, rank))
+                if placement is not None:
+                    self._start(job, placement, allocs)
+                    continue
+            # 4. preemption -> reserved
+            deferred = False
+            if memo_only and not (prio_possible and (n, g, rank, False, "") not in plan_fail):
+                pass  # no outranked job past its minimum runtime, or this shape found no plan
+            elif memo_only and self.plans_applied >= cap:
+                deferred = True  # victims may exist; the next cycle plans them
+            else:
+                memo_only = False
+                plan, deferred = self._plan(job, time_sharing=False)
+                if plan is not None:
+                    self._apply_plan(job, plan)
+                    continue
+            # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
             if ts_on and not deferred and job.queued_at <= ts_since:
-                gkey = (job.user, n, g)
-                grp = flat.get(gkey)
-                if grp is None:
-                    # the reason its jobs keep if time-sharing finds nothing for them
-                    grp = flat[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
-                grp[2].append(job)
-                pend[jid] = grp[3]
+                if memo_only:
+                    key = (job.user, n, g)
+                    grp = groups.get(key)
+                    if grp is None:
+                        # the reason its jobs keep if time-sharing finds nothing for them
+                        grp = groups[key] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
+                    grp[2].append(job)
+                    pend[jid] = grp[3]
+                else:
+                    waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
+                    pend[jid] = reason
                 continue
+            # 6. waiting, with the placement failure and what preemption could not do
             fkey = (reason, deferred)
             got = final.get(fkey)
             if got is None:
                 got = final[fkey] = reason + self._note(job, False, deferred)
             pend[jid] = got
-        for (user, n, g), (reason, epoch, lst, _final) in flat.items():
+            if not plain:
+                self.res.drop(jid)
+        for (user, n, g), (reason, epoch, lst, _final) in groups.items():
             waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
         return waiters
-
-    def _process(self, job: QueuedJob, waiters: _Waiters) -> None:
-        """The ladder of exits for one job (see the module's docstring, step 3)."""
-        d = self.decisions
-        if job.nodes < 1 or job.gpus_per_node < 1:
-            d.pending_reasons[job.id] = "asks for no GPUs; nothing to schedule"
-            self.res.drop(job.id)
-            return
-        blocked = self.quota.blocked(job)
-        if blocked:
-            d.pending_reasons[job.id] = blocked
-            self.res.drop(job.id)
-            return
-        placement, reason, allocs = self._try_place(job, self.res.extras(job, _rank(job.priority)))
-        if placement is not None:
-            self._start(job, placement, allocs)
-            return
-        plan, deferred = self._plan(job, time_sharing=False)
-        if plan is not None:
-            self._apply_plan(job, plan)
-            return
-        pol = self.policy
-        if pol.time_sharing and pol.preemption and job.queued_at <= self.now - pol.wait_threshold_s and not deferred:
-            waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
-            d.pending_reasons[job.id] = reason
-            return
-        d.pending_reasons[job.id] = reason + self._note(job, False, deferred)
-        self.res.drop(job.id)
 
     def _note(self, job: QueuedJob, ts_tried: bool, deferred: bool) -> str:
         """``explain.waiting_note``, one sentence per (rank, time-sharing tried, deferred, variant)."""
