@@ -3,7 +3,7 @@
 ``VictimFacts`` owns every per-cycle fact about the snapshot's running jobs: effective ranks
 (after this cycle's demotions), which jobs are already suspending (and for which queued job),
 which are past their minimum runtime or past the quantum, the jobs the victim table indexes
-(``members``), and the table itself (``preemption.RunningTable``). The facts are computed only
+(``members``), and the table itself (``victim_table.RunningTable``). The facts are computed only
 as far as the cycle needs them: all of them when a lower-priority job may be preempted, only the
 jobs past the quantum when time-sharing alone can preempt, none when nothing can.
 
@@ -18,7 +18,7 @@ from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler.explain import demotion_sentence
 from hai.domain.scheduler.model import Demote, Policy, QueuedJob, Snapshot
 from hai.domain.scheduler.placement import FreeIndex
-from hai.domain.scheduler.preemption import RunningTable
+from hai.domain.scheduler.victim_table import RunningTable
 
 RANK_BY_ID = {id(p): p.rank for p in Priority}  # identity lookup: enum hashing is slow in a hot loop
 _NORMAL_RANK = Priority.NORMAL.rank
@@ -26,7 +26,7 @@ DEMOTED = Priority.ABOVE_NORMAL  # the priority whose jobs run at NORMAL after `
 
 
 # Who may be suspended for whom (beside the minimum runtime, which every victim must have run,
-# and "never a job already suspending or already chosen"); ``preemption.RunningTable`` applies
+# and "never a job already suspending or already chosen"); ``victim_table.RunningTable`` applies
 # the same rules inline in its hot loop, the simulator's idle-cycle rules ask these.
 def outranks(waiter_rank: int, victim_rank: int) -> bool:
     """Priority preemption: a waiting job may suspend a job of lower effective priority."""
