@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
-from hai.cli.sim import policy_from_settings
 from hai.domain.scheduler import schedule
 from hai.domain.topology import fire_flyer
+from hai.services.scheduling import policy_from_settings
 from hai.settings import get_settings
 from hai.sim.engine import SimConfig, Simulation
 from hai.sim.fifo import FifoScheduler

@@ -5,12 +5,17 @@ call ``get_settings()``.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from hai.domain.scheduler.model import Policy
+
+_POLICY = Policy()  # the defaults of the scheduler's knobs
 
 
 class DatabaseSettings(BaseModel):
@@ -25,13 +30,23 @@ class RedisSettings(BaseModel):
 
 
 class SchedulerSettings(BaseModel):
-    min_runtime_s: float = 15 * 60
-    demote_after_s: float = 30 * 60
-    quantum_s: float = 4 * 3600
-    wait_threshold_s: float = 15 * 60
-    usage_half_life_s: float = 3600
+    """Every knob of the scheduling ``Policy`` (its defaults are the domain's, written once, in
+    ``domain/scheduler/model.py``), and the cycle's own (interval, leader lock)."""
+
+    min_runtime_s: float = _POLICY.min_runtime_s
+    demote_after_s: float = _POLICY.demote_after_s
+    quantum_s: float = _POLICY.quantum_s
+    wait_threshold_s: float = _POLICY.wait_threshold_s
+    usage_half_life_s: float = _POLICY.usage_half_life_s
+    preemption: bool = _POLICY.preemption
+    time_sharing: bool = _POLICY.time_sharing
+    max_preemptions_per_cycle: int = Field(default=_POLICY.max_preemptions_per_cycle, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
     lock_id: int = 0x4841_4901  # PostgreSQL advisory lock key for the leader
+
+    def policy(self) -> Policy:
+        """The scheduling policy these settings describe (every field of ``Policy``)."""
+        return Policy(**{f.name: getattr(self, f.name) for f in fields(Policy)})
 
 
 class AgentSettings(BaseModel):

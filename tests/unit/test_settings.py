@@ -31,3 +31,26 @@ def test_default_secrets_refused_outside_development(secret):
 def test_invalid_durations_are_refused():
     with pytest.raises(ValidationError):
         Settings(scheduler={"interval_s": 0})
+
+
+def test_every_policy_knob_is_a_scheduler_setting_with_the_policys_default():
+    from dataclasses import fields
+
+    from hai.domain.scheduler import Policy
+
+    s = Settings().scheduler
+    for f in fields(Policy):
+        assert getattr(s, f.name) == f.default, f.name
+    assert s.policy() == Policy()
+
+
+def test_preemption_time_sharing_and_the_cap_are_read_from_the_environment(monkeypatch):
+    from hai.services.scheduling import policy_from_settings
+
+    monkeypatch.setenv("HAI_SCHEDULER__PREEMPTION", "false")
+    monkeypatch.setenv("HAI_SCHEDULER__TIME_SHARING", "false")
+    monkeypatch.setenv("HAI_SCHEDULER__MAX_PREEMPTIONS_PER_CYCLE", "5")
+    p = policy_from_settings(Settings())
+    assert (p.preemption, p.time_sharing, p.max_preemptions_per_cycle) == (False, False, 5)
+    with pytest.raises(ValidationError):
+        Settings(scheduler={"max_preemptions_per_cycle": -1})

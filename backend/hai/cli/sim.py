@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 
-from hai.domain.scheduler import Policy
 from hai.domain.topology import (
     TopologyError,
     fire_flyer,
@@ -24,6 +22,7 @@ from hai.domain.topology import (
     parse_topology_csv,
     summarize,
 )
+from hai.services.scheduling import policy_from_settings  # noqa: F401  (`hai sim` runs the server's policy)
 
 topology_app = typer.Typer(help="Write cluster topology files (CSV node,gpus,leaf,zone).", no_args_is_help=True)
 
@@ -83,21 +82,6 @@ def topology_from_crux(
     except TopologyError as exc:
         _fail(str(exc))
     _write(format_topology_csv(topo), out)
-
-
-def policy_from_settings() -> Policy:
-    """The scheduler durations of `hai dev` / `hai scheduler`: HAI_SCHEDULER__* settings."""
-    from hai.settings import get_settings
-
-    s = get_settings().scheduler
-    return replace(
-        Policy(),
-        min_runtime_s=s.min_runtime_s,
-        demote_after_s=s.demote_after_s,
-        quantum_s=s.quantum_s,
-        wait_threshold_s=s.wait_threshold_s,
-        usage_half_life_s=s.usage_half_life_s,
-    )
 
 
 def _human(m: dict, topo_line: str, wall_s: float) -> str:

@@ -18,22 +18,17 @@ from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
 from hai.domain.nodes import SCHEDULABLE_STATES
 from hai.services import notify
 from hai.services.jobs import publish_after_commit, record_event, transition
-from hai.settings import Settings
+from hai.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
 SCHEDULABLE_NODE_STATES = frozenset(s.value for s in SCHEDULABLE_STATES)
 
 
-def policy_from_settings(settings: Settings) -> sched.Policy:
-    s = settings.scheduler
-    return sched.Policy(
-        min_runtime_s=s.min_runtime_s,
-        demote_after_s=s.demote_after_s,
-        quantum_s=s.quantum_s,
-        wait_threshold_s=s.wait_threshold_s,
-        usage_half_life_s=s.usage_half_life_s,
-    )
+def policy_from_settings(settings: Settings | None = None) -> sched.Policy:
+    """The scheduling policy of ``settings`` (default: ``get_settings()``): HAI_SCHEDULER__*.
+    The one place the server, ``hai scheduler`` and ``hai sim`` get their policy from."""
+    return (settings if settings is not None else get_settings()).scheduler.policy()
 
 
 @dataclass
@@ -244,10 +239,15 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         job.suspend_for_job_id = suspend.for_job_id
         transition(session, job, JobState.SUSPENDING, reason=suspend.reason, now=now)
 
-    for job_id, reserved in decisions.reservations.items():
-        job = jobs.get(job_id)
-        if job is not None and job.state == JobState.QUEUED.value and list(job.reserved_nodes or []) != list(reserved):
-            job.reserved_nodes = list(reserved)
+    # ``decisions.reservations`` is the complete set after this cycle: a queued job of the
+    # snapshot that is absent from it holds no reservation any more (every such job is in
+    # ``jobs``: it started, or it has a pending reason)
+    for job in jobs.values():
+        if job.state != JobState.QUEUED.value:
+            continue
+        reserved = list(decisions.reservations.get(job.id, ()))
+        if list(job.reserved_nodes or []) != reserved:
+            job.reserved_nodes = reserved
 
     for job_id, reason in decisions.pending_reasons.items():
         job = jobs.get(job_id)

@@ -15,7 +15,8 @@ Model of a job (all in virtual seconds):
 
 A cycle runs at every time something happens (arrival, end, release) and at the times a rule
 can change its mind (a job reaches the minimum runtime or the quantum, a waiting job passes the
-wait threshold, an ABOVE_NORMAL job reaches the demotion age), like an event-driven live loop.
+wait threshold, an ABOVE_NORMAL job reaches the demotion age), like an event-driven live loop,
+and skips the cycles that provably cannot decide anything new (``sim/skipping.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from hai.domain.scheduler.model import (
 )
 from hai.domain.scheduler.placement import min_leaves
 from hai.domain.scheduler.quota import QuotaBook
+from hai.domain.scheduler.victims import DEMOTED
 from hai.domain.topology import TopologyNode
+from hai.sim.skipping import IdleCycleRules
 from hai.sim.trace import TraceJob
 
 Scheduler = Callable[[Snapshot, Policy, float], Decisions]
@@ -96,8 +99,8 @@ class _Job:
         self.queued_total = 0.0
         self.suspensions = 0
         self.suspend_for: int | None = None
-        self.ready_rank: int | None = None  # counted in Simulation.ready (waited past the threshold)
-        self.expired_rank: int | None = None  # counted in Simulation.expired (ran past the quantum)
+        self.ready_rank: int | None = None  # counted in IdleCycleRules.ready (waited past the threshold)
+        self.expired_rank: int | None = None  # counted in IdleCycleRules.expired (ran past the quantum)
 
 
 @dataclass
@@ -176,26 +179,11 @@ class Simulation:
         self.max_rank = max((t.priority.rank for t in jobs), default=0)
         self.min_rank = min((t.priority.rank for t in jobs), default=0)
         self.stale: dict[int, int] = {}  # running job id -> attempt whose checkpoint view lags
-        # who could time-share right now: queued jobs past the wait threshold and running jobs past
-        # the quantum, by (rank, user); used to skip wake-ups at which no rule can fire
-        self.ready: dict[int, dict[str, int]] = {}
-        self.expired: dict[int, dict[str, int]] = {}
         self.queued_by_rank: dict[int, int] = {}
         self.running_by_rank: dict[int, int] = {}
         self.queued_shapes: dict[tuple[int, int], int] = {}  # (nodes, GPUs a node) -> queued jobs
-        # for the skip rules: GPUs of jobs past the quantum on each node by (rank, user), one-node
-        # waiters past the threshold by (rank, user, GPUs), multi-node ones, reserved nodes
-        self.exp_on_node: list[dict[tuple[int, str], int]] = [{} for _ in self.nodes]
-        self.ready_shapes: dict[tuple[int, str, int], int] = {}
-        self.ready_multi_shapes: dict[tuple[int, str, int, int], int] = {}
-        self.zone_nodes: dict[str, list[int]] = {}
-        for i, node in enumerate(self.nodes):
-            self.zone_nodes.setdefault(node.zone, []).append(i)
-        self.reserved_by: dict[int, int] = {}  # node index -> job it is reserved for
-        self.backfill_rules = scheduler is hai_schedule
-        # node-level time-sharing rules: one priority in the trace (with several, a waiter may
-        # combine lower-priority and same-priority victims; then the coarser rule applies)
-        self.ts_rules = self.backfill_rules and self.max_rank == self.min_rank
+        # which events are worth a cycle (sim/skipping.py)
+        self.rules = IdleCycleRules(self)
         # usage per user: decayed GPU-seconds, updated when a user's GPU count changes
         self.half_life = policy.usage_half_life_s
         self.lam = math.log(2) / self.half_life if self.half_life > 0 else 0.0
@@ -245,193 +233,6 @@ class Simulation:
             else:
                 u[0] += u[2] * dt
             u[1] = t
-
-    @staticmethod
-    def _count(table: dict[int, dict[str, int]], rank: int, user: str, delta: int) -> None:
-        users = table.setdefault(rank, {})
-        users[user] = users.get(user, 0) + delta
-        users["\x00total"] = users.get("\x00total", 0) + delta
-
-    @staticmethod
-    def _others(table: dict[int, dict[str, int]], rank: int, user: str) -> int:
-        users = table.get(rank)
-        if not users:
-            return 0
-        return users.get("\x00total", 0) - users.get(user, 0)
-
-    def _unexpire(self, j: _Job) -> None:
-        if j.expired_rank is not None:
-            self._count(self.expired, j.expired_rank, j.t.user, -1)
-            key = (j.expired_rank, j.t.user)
-            for a in j.allocs:
-                on = self.exp_on_node[self.node_ix[a.node]]
-                on[key] -= len(a.gpus)
-                if on[key] <= 0:
-                    del on[key]
-            j.expired_rank = None
-
-    def _ready_shape(self, j: _Job, delta: int) -> None:
-        if j.t.nodes > 1:
-            key = (j.ready_rank, j.t.user, j.t.nodes, j.t.gpus_per_node)
-            self.ready_multi_shapes[key] = self.ready_multi_shapes.get(key, 0) + delta
-        else:
-            key = (j.ready_rank, j.t.user, j.t.gpus_per_node)
-            self.ready_shapes[key] = self.ready_shapes.get(key, 0) + delta
-
-    # The rules below use what the hai policy guarantees (it starts every job that fits, in the
-    # same cycle): after a cycle, nothing that fits is left waiting, so a later change can only
-    # matter through the nodes it touched.
-    def _fits_on(self, idxs: list[int]) -> bool:
-        """Could a queued job start now thanks to GPUs freed on these nodes?"""
-        if not self.queue:
-            return False
-        if self.quotas:
-            return True  # freed quota may let a job start anywhere
-        min_g = min_k = None
-        for (nodes, g), n in self.queued_shapes.items():
-            if n > 0:
-                if nodes == 1:
-                    min_g = g if min_g is None or g < min_g else min_g
-                elif min_k is None or nodes < min_k:
-                    min_k = nodes
-        zones = []
-        for i in idxs:
-            free = len(self.free[i])
-            owner = self.reserved_by.get(i)
-            if owner is not None:
-                oj = self.jobs[owner]
-                if oj.t.nodes > 1 or free >= oj.t.gpus_per_node or self.max_rank != self.min_rank:
-                    return True
-                continue
-            if min_g is not None and free >= min_g:
-                return True
-            node = self.nodes[i]
-            if node.zone not in zones:
-                zones.append(node.zone)
-        if min_k is not None:
-            for z in zones:
-                if sum(self.zone_leaf_idle[z].values()) >= min_k:
-                    return True
-        return False
-
-    def _ts_fits(self, rank: int, user: str, g: int, idxs) -> bool:
-        """Could a one-node waiter (rank, user, g GPUs) take one of these nodes by suspending
-        jobs of other users at its rank that ran past the quantum?"""
-        for i in idxs:
-            exp = self.exp_on_node[i]
-            if not exp or self.nodes[i].gpus < g:
-                continue
-            have = len(self.free[i])
-            for (r, u), n in exp.items():
-                if r == rank and u != user:
-                    have += n
-            if have >= g:
-                return True
-        return False
-
-    def _ts_possible_on(self, idxs: list[int]) -> bool:
-        """Could time-sharing now make a plan that involves these nodes?"""
-        if not (self.policy.preemption and self.policy.time_sharing) or not self.queue:
-            return False
-        for (rank, user, g), n in self.ready_shapes.items():
-            if n > 0 and self._ts_fits(rank, user, g, idxs):
-                return True
-        zones = list(dict.fromkeys(self.nodes[i].zone for i in idxs))
-        for (rank, user, k, g), n in self.ready_multi_shapes.items():
-            if n > 0 and self._ts_multi_fits(rank, user, k, g, zones):
-                return True
-        return False
-
-    def _ts_multi_fits(self, rank: int, user: str, k: int, g: int, zones) -> bool:
-        """Could a multi-node waiter find k whole nodes in one of these zones, each idle or held
-        only by jobs of other users at its rank that ran past the quantum?"""
-        for z in zones:
-            count = 0
-            for i in self.zone_nodes[z]:
-                node = self.nodes[i]
-                if node.gpus < g:
-                    continue
-                have = len(self.free[i])
-                if have < node.gpus:
-                    for (r, u), n in self.exp_on_node[i].items():
-                        if r == rank and u != user:
-                            have += n
-                if have >= node.gpus:
-                    count += 1
-                    if count >= k:
-                        return True
-        return False
-
-    def _lower_priority_possible(self) -> bool:
-        if not self.policy.preemption or self.max_rank == self.min_rank:
-            return False
-        low = min((r for r, n in self.running_by_rank.items() if n > 0), default=None)
-        return low is not None and any(n > 0 and r > low for r, n in self.queued_by_rank.items())
-
-    def _some_queued_job_fits(self) -> bool:
-        """Could any queued job start on the free GPUs (reserved ones included)? A necessary
-        condition for a cycle after an end to start anything: ends free GPUs, they add no
-        victims, so when no queued shape fits, that cycle's decisions would be the last one's."""
-        if not self.queue:
-            return False
-        min_g = min_k = None
-        for (nodes, g), n in self.queued_shapes.items():
-            if n <= 0:
-                continue
-            if nodes == 1:
-                if min_g is None or g < min_g:
-                    min_g = g
-            elif min_k is None or nodes < min_k:
-                min_k = nodes
-        if min_g is not None and any(len(f) >= min_g for f in self.free):
-            return True
-        return min_k is not None and any(sum(leaves.values()) >= min_k for leaves in self.zone_leaf_idle.values())
-
-    def _preemption_possible(self) -> bool:
-        """Could some queued job preempt now (time-sharing pairs: a waiter past the threshold and
-        another user's job past the quantum at its priority; or any lower-priority job running)?"""
-        if not self.policy.preemption:
-            return False
-        for rank, ready in self.ready.items():
-            exp = self.expired.get(rank)
-            if not exp or exp.get("\x00total", 0) <= 0:
-                continue
-            for user, n in ready.items():
-                if n > 0 and user != "\x00total" and exp["\x00total"] - exp.get(user, 0) > 0:
-                    return True
-        if self.max_rank != self.min_rank:
-            low = min((r for r, n in self.running_by_rank.items() if n > 0), default=None)
-            if low is not None and any(n > 0 and r > low for r, n in self.queued_by_rank.items()):
-                return True
-        return False
-
-    def _arrival_can_act(self, j: _Job) -> bool:
-        """Can a cycle now do anything because this job arrived? Arrivals free nothing, so only
-        if it could start on free GPUs or preempt; if neither holds (the common case on a full
-        cluster), the cycle is skipped: its decisions would equal the last cycle's."""
-        pol = self.policy
-        rank = j.priority.rank
-        # a scheduler that starts jobs in queue order only: the newcomer matters only as the new
-        # head (priority first, then first submission: it is the latest of its priority)
-        if (
-            getattr(self.scheduler, "strict_order", False)
-            and not self.quotas
-            and (
-                self.queued_by_rank.get(rank, 0) > 1
-                or any(n > 0 and r > rank for r, n in self.queued_by_rank.items())
-            )
-        ):
-            return False
-        if pol.preemption:
-            if any(n > 0 and r < rank for r, n in self.running_by_rank.items()):
-                return True
-            if pol.time_sharing and pol.wait_threshold_s <= 0:
-                return True
-        t = j.t
-        if t.nodes == 1:
-            g = t.gpus_per_node
-            return any(len(f) >= g for f in self.free)
-        return any(sum(leaves.values()) >= t.nodes for leaves in self.zone_leaf_idle.values())
 
     def _fits_ever(self, t: TraceJob) -> bool:
         if t.nodes == 1:
@@ -498,22 +299,17 @@ class Simulation:
                 self.rejected += 1
                 return None
             self._enqueue(j, t)
-            return self._arrival_can_act(j)
+            return self.rules.after_arrival(j)
         if kind == _FINISH:
             if j.attempt != attempt or j.state not in (_RUNNING, _SUSPENDING):
                 return None
             freed = [self.node_ix[a.node] for a in j.allocs]
-            self._unexpire(j)
+            self.rules.unexpire(j)
             self._release_gpus(j)
             del self.running[job_id]
             j.state = _DONE
             j.end = t
-            # freed GPUs matter if a queued job fits them, or if they complete a preemption plan
-            if not self.backfill_rules:
-                return self._some_queued_job_fits() or self._preemption_possible()
-            if not self.ts_rules:
-                return self._fits_on(freed) or self._preemption_possible()
-            return self._fits_on(freed) or self._ts_possible_on(freed)
+            return self.rules.after_finish(freed)
         if kind == _RELEASE:
             if j.attempt != attempt or j.state != _SUSPENDING:
                 return None
@@ -527,34 +323,16 @@ class Simulation:
         if kind == _W_THRESHOLD:
             if j.state != _QUEUED or j.attempt != attempt:
                 return None
-            j.ready_rank = j.priority.rank
-            self._count(self.ready, j.ready_rank, j.t.user, 1)
-            self._ready_shape(j, 1)
-            if not self.ts_rules:
-                return self._others(self.expired, j.ready_rank, j.t.user) > 0
-            if j.t.nodes > 1:
-                return self._ts_multi_fits(j.ready_rank, j.t.user, j.t.nodes, j.t.gpus_per_node, list(self.zone_nodes))
-            return self._ts_fits(j.ready_rank, j.t.user, j.t.gpus_per_node, range(len(self.nodes)))
+            return self.rules.after_threshold(j)
         if j.state != _RUNNING or j.attempt != attempt:
             return None
         if kind == _W_QUANTUM:
-            j.expired_rank = j.priority.rank
             if self.stale.pop(job_id, None) == attempt:
                 self._rview(j, t)
-            self._count(self.expired, j.expired_rank, j.t.user, 1)
-            mine = []
-            for a in j.allocs:
-                i = self.node_ix[a.node]
-                key = (j.expired_rank, j.t.user)
-                self.exp_on_node[i][key] = self.exp_on_node[i].get(key, 0) + len(a.gpus)
-                mine.append(i)
-            if not self.ts_rules:
-                return self._others(self.ready, j.expired_rank, j.t.user) > 0
-            return self._ts_possible_on(mine)
+            return self.rules.after_quantum(j)
         if kind == _W_MINRT:
-            rank = j.priority.rank
-            return any(n > 0 and r > rank for r, n in self.queued_by_rank.items())
-        return j.priority == Priority.ABOVE_NORMAL  # _W_DEMOTE
+            return self.rules.after_min_runtime(j)
+        return self.rules.after_demotion_age(j)  # _W_DEMOTE
 
     # -- snapshot ------------------------------------------------------------------------------
     def _qview(self, j: _Job, reserved: tuple[str, ...]) -> None:
@@ -649,7 +427,7 @@ class Simulation:
                 self.invalid_decisions += 1  # e.g. suspending a job twice
                 continue
             self.preemptions += 1
-            self._unexpire(j)
+            self.rules.unexpire(j)
             j.suspend_for = s.for_job_id
             j.state = _SUSPENDING
             self._rview(j, t)
@@ -707,10 +485,7 @@ class Simulation:
             del self.qviews[tj.id]
             self.queued_by_rank[j.priority.rank] -= 1
             self.queued_shapes[(tj.nodes, tj.gpus_per_node)] -= 1
-            if j.ready_rank is not None:
-                self._count(self.ready, j.ready_rank, tj.user, -1)
-                self._ready_shape(j, -1)
-                j.ready_rank = None
+            self.rules.left_queue(j)
             j.queued_total += t - j.queued_since
             j.allocs = st.allocations
             self._hold(j, st.allocations)
@@ -731,7 +506,7 @@ class Simulation:
                 self._push(t + pol.min_runtime_s + self.eps, _W_MINRT, tj.id, j.attempt)
             if pol.time_sharing and pol.preemption:
                 self._push(t + max(pol.quantum_s, pol.min_runtime_s) + self.eps, _W_QUANTUM, tj.id, j.attempt)
-            if j.priority == Priority.ABOVE_NORMAL:
+            if j.priority == DEMOTED:
                 self._push(t + pol.demote_after_s + self.eps, _W_DEMOTE, tj.id, j.attempt)
         # the per-cycle preemption cap was reached: the live loop runs again a second later
         if len({s.for_job_id for s in d.suspends}) >= pol.max_preemptions_per_cycle and self.queue:
@@ -743,7 +518,7 @@ class Simulation:
             if jid in self.queue and old_res.get(jid, ()) != new_res.get(jid, ()):
                 self._qview(self.jobs[jid], new_res.get(jid, ()))
         self.reservations = new_res
-        self.reserved_by = {self.node_ix[n]: jid for jid, names in new_res.items() for n in names if n in self.node_ix}
+        self.rules.reserved(new_res)
 
     def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could

@@ -13,6 +13,7 @@ from hai.domain.scheduler.model import (
     Snapshot,
     Start,
     Suspend,
+    SuspendCode,
 )
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "Snapshot",
     "Start",
     "Suspend",
+    "SuspendCode",
     "schedule",
 ]

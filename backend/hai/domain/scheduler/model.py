@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from hai.domain.jobs import JobState, Priority
 
@@ -116,11 +117,19 @@ class Start:
     reason: str  # why this placement was chosen
 
 
+class SuspendCode(StrEnum):
+    """Why a job is suspended, for machines (the ``reason`` beside it is for people)."""
+
+    OUTRANKED = "outranked"  # a waiting job of higher priority needs its GPUs
+    TIME_SHARING = "time_sharing"  # it ran its quantum; a job of another user at its priority waited
+
+
 @dataclass(frozen=True, slots=True)
 class Suspend:
     job_id: int
     reason: str
     for_job_id: int | None = None
+    code: SuspendCode = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)

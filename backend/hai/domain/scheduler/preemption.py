@@ -12,193 +12,54 @@ Among the victim sets that free a valid placement for J (one node with enough GP
 nodes in one zone), choose the fewest victims, then the fewest GPU-seconds lost since their
 last reported checkpoint, then the placement on fewer leaves, then node order. GPUs already
 being released for J (jobs suspending for it) count as free for J. The planner only reads the
-cycle's state; the caller applies a plan.
+cycle's state (the victim table, ``victim_table``, and the free index); the caller applies a plan.
+
+Strategies, one function each:
+
+* one node (``plan_single``): ``_one_victim`` (a single victim suffices: the pair losing least,
+  from the per-cycle list of (victim, node) pairs), else ``_fewest_victims_on_a_node`` (every
+  candidate node, the fewest victims there, then least lost);
+* whole nodes in one zone (``plan_multi``), per zone: the candidate nodes from the per-cycle
+  zone classification (``_classified_candidates``) or, when jobs are already suspending for J,
+  from a scan of the zone (``_scanned_candidates``); then ``_free_greedily`` (nodes needing the
+  fewest victims first) and ``_place_on_freed`` (fewest leaves, then the nodes cheapest to free).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import combinations
+from typing import NamedTuple
 
-from hai.domain.scheduler.model import Policy, RunningJob
+from hai.domain.scheduler.model import RunningJob
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot, choose_leaves
+from hai.domain.scheduler.victim_table import RunningTable, VictimOnNode, ZoneClasses
 
 
-@dataclass
+@dataclass(slots=True)
 class Plan:
     victims: list[int]  # indices into RunningTable.jobs: new suspensions
     slots: list[NodeSlot]  # the nodes reserved for the waiting job
     waiting_on: int  # jobs (new victims + already suspending for it) that must checkpoint
-    lost_gpu_s: float
-    leaves: int = 1
-    notes: list[str] = field(default_factory=list)
 
 
-class RunningTable:
-    """Per-cycle facts about the running jobs that matter to victim choice.
-
-    Only ``members`` are indexed: jobs that could be victims in this cycle (past their
-    minimum runtime and below some queued job's priority, or past the quantum) and jobs
-    already suspending for a queued job. A node holding GPUs of any other job cannot be freed
-    (its holders do not add up to its GPUs), which is exactly the rule.
-    """
-
-    def __init__(
-        self,
-        jobs: Sequence[RunningJob],
-        eff_rank: list[int],
-        min_ok: list[bool],
-        quantum_ok: list[bool],
-        members: list[int],
-        policy: Policy,
-        now: float,
-        index: FreeIndex,
-    ):
-        self.jobs = jobs
-        self.members = members
-        self.rank = eff_rank
-        self.min_ok = min_ok
-        self.quantum_ok = quantum_ok
-        n = len(jobs)
-        self.runtime = [0.0] * n
-        self.gpus = [0] * n
-        self.lost = [0.0] * n
-        self.chosen = [False] * n
-        holders: list[list[tuple[int, int]]] = [[] for _ in index.slots]
-        self.holders = holders
-        self.nodes_of: list[list[int]] = [[] for _ in jobs]
-        self.pending_for: dict[int, list[int]] = {}
-        self._singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None
-        self._zones: list | None = None
-        self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
-        self.pending_mark = [False] * n
-        by_name = index.by_name
-        for i in members:
-            j = jobs[i]
-            g = 0
-            mine = self.nodes_of[i]
-            for a in j.allocations:
-                k = len(a.gpus)
-                g += k
-                slot = by_name.get(a.node)
-                if slot is None:
-                    continue
-                o = slot.ord
-                if o in mine:  # two allocations on one node: merge
-                    hs = holders[o]
-                    for x, (hi, hk) in enumerate(hs):
-                        if hi == i:
-                            hs[x] = (i, hk + k)
-                    continue
-                holders[o].append((i, k))
-                mine.append(o)
-            self.gpus[i] = g
-            self.runtime[i] = now - j.started_at
-            since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
-            self.lost[i] = g * max(0.0, now - since)
-            if j.suspend_requested_for is not None:
-                self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
-                self.pending_mark[i] = True
-        # GPUs held on each node by the indexed jobs
-        self.held = [sum(g for _i, g in hs) for hs in holders]
-
-    def singles(self) -> dict[int, list[tuple[float, int, int, int, int]]]:
-        """GPUs on the node -> [(lost GPU-s, GPUs on the node, node ord, job id, job index)]
-        for every (possible victim, node) pair, least lost first, largest buckets first. Built
-        once per cycle; a waiting job scans it with its own eligibility test, so a single-victim
-        plan is found in the first entries instead of a scan of every node."""
-        got = self._singles
-        if got is None:
-            flat = []
-            jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
-            for i in self.members:
-                if not min_ok[i]:
-                    continue
-                jid = jobs[i].id
-                for o in self.nodes_of[i]:
-                    for hi, g in holders[o]:
-                        if hi == i:
-                            flat.append((lost[i], g, o, jid, i))
-            flat.sort()
-            got = {}
-            for e in flat:
-                got.setdefault(e[1], []).append(e)
-            got = {g: got[g] for g in sorted(got, reverse=True)}
-            self._singles = got
-        return got
-
-    def zones(self, index: FreeIndex):
-        """Per zone: (nodes holding no indexed job, [(node, jobs on it, their lost GPU-s,
-        highest rank among them, highest rank among those not past the quantum)]) for nodes
-        where every job is past its minimum runtime (and not suspending). Built once per cycle;
-        a waiting job of rank R may free a node when the highest rank is below R, or (time-
-        sharing) equal to R with every job at R past the quantum (and of other users: checked
-        live, with the victims already chosen and the reservations)."""
-        got = self._zones
-        if got is not None:
-            return got
-        ranks, min_ok, q_ok, holders, lost = self.rank, self.min_ok, self.quantum_ok, self.holders, self.lost
-        pending = self.pending_mark
-        got = []
-        start = 0
-        for z in range(len(index.zones)):
-            size = index.zone_size[z]
-            nomember: list[int] = []
-            cands: list[tuple[int, tuple[int, ...], float, int, int]] = []
-            for o in range(start, start + size):
-                hs = holders[o]
-                if not hs:
-                    nomember.append(o)
-                    continue
-                top = top_young = -1
-                for i, _g in hs:
-                    if pending[i] or not min_ok[i]:
-                        break
-                    r = ranks[i]
-                    top = max(top, r)
-                    if not q_ok[i] and r > top_young:
-                        top_young = r
-                else:
-                    blockers = tuple(i for i, _g in hs)
-                    cands.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
-            got.append((nomember, cands))
-            start += size
-        self._zones = got
-        return got
-
-    def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
-        key = (rank, user if time_sharing else "", time_sharing)
-        got = self._eligible.get(key)
-        if got is None:
-            got = self._eligible[key] = self._make_eligible(rank, user, time_sharing)
-        return got
-
-    def _make_eligible(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
-        ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
-
-        if time_sharing:
-
-            def eligible(i: int) -> bool:
-                if chosen[i] or not min_ok[i]:
-                    return False
-                r = ranks[i]
-                if r < rank:
-                    return True
-                return r == rank and q_ok[i] and jobs[i].user != user
-
-        else:
-
-            def eligible(i: int) -> bool:
-                return min_ok[i] and not chosen[i] and ranks[i] < rank
-
-        return eligible
+# -- one node ------------------------------------------------------------------------------------
 
 
-def _pick_on_node(cands: list[tuple[int, int]], need: int, lost: list[float], jobs: Sequence[RunningJob]):
+class _NodePick(NamedTuple):
+    count: int  # victims
+    lost: float  # their lost GPU-seconds
+    gpus: int  # their GPUs on the node
+    victims: list[int]
+
+
+def _pick_on_node(
+    cands: list[tuple[int, int]], need: int, lost: list[float], jobs: Sequence[RunningJob]
+) -> _NodePick | None:
     """Fewest victims on one node freeing ``need`` GPUs, then least lost GPU-seconds.
-    ``cands`` is [(gpus on this node, job index)]. Returns (count, lost, gpus, [idx]) or None."""
+    ``cands`` is [(gpus on this node, job index)]."""
     if sum(g for g, _ in cands) < need:
         return None
     by_size = sorted(cands, key=lambda t: (-t[0], lost[t[1]], jobs[t[1]].id))
@@ -211,7 +72,7 @@ def _pick_on_node(cands: list[tuple[int, int]], need: int, lost: list[float], jo
             break
     if count == 1:
         best = min((t for t in cands if t[0] >= need), key=lambda t: (lost[t[1]], t[0], jobs[t[1]].id))
-        return (1, lost[best[1]], best[0], [best[1]])
+        return _NodePick(1, lost[best[1]], best[0], [best[1]])
     best_key = None
     best_set: list[int] = []
     if len(cands) <= 10:
@@ -227,7 +88,7 @@ def _pick_on_node(cands: list[tuple[int, int]], need: int, lost: list[float], jo
         best_set = [i for _, i in by_size[:count]]
         best_key = (sum(lost[i] for i in best_set), sum(g for g, _ in by_size[:count]), ())
     assert best_key is not None
-    return (count, best_key[0], best_key[1], best_set)
+    return _NodePick(count, best_key[0], best_key[1], best_set)
 
 
 def plan_single(
@@ -237,44 +98,77 @@ def plan_single(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    singles: dict[int, list[tuple[float, int, int, int, int]]] | None = None,
+    singles: dict[int, list[VictimOnNode]] | None = None,
     *,
     maxfree: int,
 ) -> Plan | None:
     """One node with ``gpus`` GPUs for the waiting job. ``maxfree``: an upper bound on the free
-    GPUs of any node (a cycle's starts only ever lower it, so one bound serves a whole cycle)."""
+    GPUs of any node (a cycle's starts only ever lower it, so one bound serves a whole cycle).
+    ``singles``: the table's (victim, node) pairs, when preemption is on."""
     scan: Sequence[NodeSlot] = index.slots
     if singles is not None and not pending:
-        # the fewest victims is one whenever one victim suffices: take the one losing least.
-        # ``singles`` is bucketed by the victim's GPUs on the node, each bucket least lost
-        # first: the first fit of each bucket, then the least lost of those (the same choice
-        # as one scan of all pairs in (lost, GPUs, node, job) order)
-        slots = index.slots
-        best_single: tuple | None = None
-        for g, bucket in singles.items():
-            if g + maxfree < gpus:
-                continue  # no node has enough free GPUs beside a victim of this size
-            for entry in bucket:
-                if best_single is not None and entry > best_single:
-                    break
-                _lost_v, _g, o, _jid, i = entry
-                slot = slots[o]
-                if slot.gpus < gpus or len(slot.free) + g < gpus or not eligible(i) or not usable(slot):
-                    continue
-                best_single = entry
-                break
-        if best_single is not None:
-            lost_v, _g, o, _jid, i = best_single
-            return Plan([i], [slots[o]], 1, lost_v, 1)
-        # several victims on one node: only nodes where all eligible victims together suffice
-        acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
-        for bucket in singles.values():
-            for _lost_v, g, o, _jid, i in bucket:
-                if slots[o].gpus >= gpus and eligible(i):
-                    acc[o] = acc.get(o, 0) + g
-        scan = [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]
+        plan = _one_victim(index.slots, singles, gpus, usable, eligible, maxfree)
+        if plan is not None:
+            return plan
+        scan = _nodes_where_victims_suffice(index.slots, singles, gpus, eligible)
         if not scan:
             return None
+    return _fewest_victims_on_a_node(table, scan, gpus, usable, eligible, pending)
+
+
+def _one_victim(
+    slots: Sequence[NodeSlot],
+    singles: dict[int, list[VictimOnNode]],
+    gpus: int,
+    usable: Callable[[NodeSlot], bool],
+    eligible: Callable[[int], bool],
+    maxfree: int,
+) -> Plan | None:
+    """The fewest victims is one whenever one victim suffices: take the pair losing least.
+    ``singles`` is bucketed by the victim's GPUs on the node, each bucket least lost first: the
+    first fit of each bucket, then the least lost of those (the same choice as one scan of all
+    pairs in (lost, GPUs, node, job) order)."""
+    best: VictimOnNode | None = None
+    for g, bucket in singles.items():
+        if g + maxfree < gpus:
+            continue  # no node has enough free GPUs beside a victim of this size
+        for entry in bucket:
+            if best is not None and entry > best:
+                break
+            _lost, _gpus, o, _job_id, i = entry
+            slot = slots[o]
+            if slot.gpus < gpus or len(slot.free) + g < gpus or not eligible(i) or not usable(slot):
+                continue
+            best = entry
+            break
+    if best is None:
+        return None
+    _lost, _gpus, node, _job_id, job = best
+    return Plan([job], [slots[node]], 1)
+
+
+def _nodes_where_victims_suffice(
+    slots: Sequence[NodeSlot], singles: dict[int, list[VictimOnNode]], gpus: int, eligible: Callable[[int], bool]
+) -> list[NodeSlot]:
+    """Several victims on one node: only nodes where all eligible victims together suffice."""
+    acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
+    for bucket in singles.values():
+        for _lost, g, o, _job_id, i in bucket:
+            if slots[o].gpus >= gpus and eligible(i):
+                acc[o] = acc.get(o, 0) + g
+    return [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]
+
+
+def _fewest_victims_on_a_node(
+    table: RunningTable,
+    scan: Sequence[NodeSlot],
+    gpus: int,
+    usable: Callable[[NodeSlot], bool],
+    eligible: Callable[[int], bool],
+    pending: list[int],
+) -> Plan | None:
+    """Every node of ``scan``: free now (with the GPUs of jobs suspending for the waiting job)
+    beats any victims; else the fewest victims there, then least lost, fewest GPUs, node order."""
     pend_gpus: dict[int, int] = {}
     pend_jobs: dict[int, list[int]] = {}
     for i in pending:
@@ -284,7 +178,7 @@ def plan_single(
                     pend_gpus[o] = pend_gpus.get(o, 0) + g
                     pend_jobs.setdefault(o, []).append(i)
     best_key: tuple | None = None
-    best: tuple[NodeSlot, list[int], float] | None = None
+    best: tuple[NodeSlot, list[int]] | None = None
     holders, lost, jobs = table.holders, table.lost, table.jobs
     for slot in scan:
         if slot.gpus < gpus:
@@ -295,7 +189,7 @@ def plan_single(
                 continue
             key: tuple = (0, 0.0, 0, slot.ord)
             if best_key is None or key < best_key:
-                best_key, best = key, (slot, [], 0.0)
+                best_key, best = key, (slot, [])
             continue
         hs = holders[slot.ord]
         if not hs:
@@ -311,15 +205,26 @@ def plan_single(
         picked = _pick_on_node(cands, need, lost, jobs)
         if picked is None:
             continue
-        count, lost_s, g_sum, idxs = picked
-        key = (count, lost_s, g_sum, slot.ord)
+        key = (picked.count, picked.lost, picked.gpus, slot.ord)
         if best_key is None or key < best_key:
-            best_key, best = key, (slot, idxs, lost_s)
+            best_key, best = key, (slot, picked.victims)
     if best is None:
         return None
-    slot, victims, lost_s = best
+    slot, victims = best
     waiting = len(victims) + len(dict.fromkeys(pend_jobs.get(slot.ord, [])))
-    return Plan(victims, [slot], waiting, lost_s, 1)
+    return Plan(victims, [slot], waiting)
+
+
+# -- whole nodes in one zone ---------------------------------------------------------------------
+
+
+class _Candidates(NamedTuple):
+    """The nodes of one zone that could be the waiting job's."""
+
+    free_now: list[int]  # free without new victims
+    need_of: dict[int, tuple[int, ...] | list[int]]  # node -> the victims that free it
+    lost_of: dict[int, float]  # node -> their lost GPU-seconds (when known up front)
+    waits_of: dict[int, list[int]]  # node -> jobs already suspending for the waiting job there
 
 
 def plan_multi(
@@ -330,18 +235,19 @@ def plan_multi(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    fast: list[tuple[list[int], list[tuple[int, tuple[int, ...], float, int, int]]]] | None = None,
+    fast: list[ZoneClasses] | None = None,
     same_user: Callable[[int], bool] | None = None,
     rank: int = 0,
     time_sharing: bool = False,
 ) -> Plan | None:
     """``nodes`` whole nodes in one zone for the waiting job. ``fast``: the per-cycle zone
-    classification of ``RunningTable.zones_for`` (only for a job with nothing suspending for it);
-    ``same_user``: in time-sharing, tells a victim of the waiting job's own user at its rank."""
+    classification of ``RunningTable.zones`` (only for a job with nothing suspending for it);
+    ``same_user``: in time-sharing, tells a victim of the waiting job's own user at its rank.
+    Of the zones' plans: fewest victims, least lost, fewest leaves, zone order."""
     pend = set(pending)  # membership only
     if pending:
         fast = None
-    holders, lost, jobs = table.holders, table.lost, table.jobs
+    lost, jobs = table.lost, table.jobs
     best_key: tuple | None = None
     best_plan: Plan | None = None
     zone_start = 0
@@ -351,140 +257,189 @@ def plan_multi(
         zone_start += size
         if size < nodes:
             continue
-        free_now: list[int] = []  # ords free for J without new victims
-        need_of: dict[int, list[int]] = {}
-        lost_of: dict[int, float] = {}
-        waits_of: dict[int, list[int]] = {}
         if fast is not None:
-            # from the per-cycle classification: only live facts are checked here (GPUs taken
-            # by starts in this cycle, victims already chosen, reservations, the user rule)
-            nomember, cands = fast[z]
-            slots = index.slots
-            for o in nomember:
-                slot = slots[o]
-                if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
-                    free_now.append(o)
-            held, chosen_l = table.held, table.chosen
-            for o, blockers, lost_sum, top, top_young in cands:
-                if top >= rank and not (time_sharing and top == rank and top_young < rank):
-                    continue
-                slot = slots[o]
-                if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
-                    continue
-                for i in blockers:
-                    if chosen_l[i] or (same_user is not None and same_user(i)):
-                        break
-                else:
-                    if usable(slot):
-                        need_of[o] = blockers  # type: ignore[assignment]
-                        lost_of[o] = lost_sum
+            cand = _classified_candidates(fast[z], index, table, gpus_per_node, usable, same_user, rank, time_sharing)
         else:
-            for slot in zone_slots:
-                if slot.gpus < gpus_per_node:
-                    continue
-                hs = holders[slot.ord]
-                if not hs:
-                    if len(slot.free) == slot.gpus and usable(slot):
-                        free_now.append(slot.ord)
-                    continue
-                if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
-                    continue  # GPUs held by something the snapshot does not show: cannot be freed
-                needed: list[int] = []
-                waits: list[int] = []
-                ok = True
-                for i, _g in hs:
-                    if i in pend:
-                        waits.append(i)
-                    elif eligible(i):
-                        needed.append(i)
-                    else:
-                        ok = False
-                        break
-                if not ok or not usable(slot):
-                    continue
-                if needed:
-                    need_of[slot.ord] = needed
-                else:
-                    free_now.append(slot.ord)
-                waits_of[slot.ord] = waits
-        if len(free_now) + len(need_of) < nodes:
+            cand = _scanned_candidates(zone_slots, table, gpus_per_node, usable, eligible, pend)
+        if len(cand.free_now) + len(cand.need_of) < nodes:
             continue
-        # leaf potential: how many nodes of the leaf could be freed for J (static per plan)
-        potential: dict[int, int] = {}
-        for o in free_now:
-            li = index.slots[o].leaf_ix
-            potential[li] = potential.get(li, 0) + 1
-        for o in need_of:
-            li = index.slots[o].leaf_ix
-            potential[li] = potential.get(li, 0) + 1
-        freed = list(free_now)
-        chosen: list[int] = []
-        chosen_mark: dict[int, bool] = {}
-        if len(freed) < nodes:
-            remaining = {o: len(v) for o, v in need_of.items()}
-            rem_lost = {o: (lost_of[o] if o in lost_of else sum(lost[i] for i in v)) for o, v in need_of.items()}
-            heap = [
-                (remaining[o], rem_lost[o], -potential[index.slots[o].leaf_ix], o) for o in sorted(need_of)
-            ]
-            heapq.heapify(heap)
-            done: dict[int, bool] = {}
-            while len(freed) < nodes and heap:
-                cnt, lst, _pot, o = heapq.heappop(heap)
-                if done.get(o) or cnt != remaining[o] or lst != rem_lost[o]:
-                    continue  # stale entry
-                for i in need_of[o]:
-                    if chosen_mark.get(i):
-                        continue
-                    chosen_mark[i] = True
-                    chosen.append(i)
-                    for o2 in table.nodes_of[i]:
-                        if o2 in need_of and not done.get(o2):
-                            remaining[o2] -= 1
-                            rem_lost[o2] -= lost[i]
-                            if remaining[o2] == 0:
-                                done[o2] = True
-                                freed.append(o2)
-                            else:
-                                heapq.heappush(
-                                    heap, (remaining[o2], rem_lost[o2], -potential[index.slots[o2].leaf_ix], o2)
-                                )
-                if not done.get(o):  # all its blockers are chosen now
-                    done[o] = True
-                    freed.append(o)
-            if len(freed) < nodes:
-                continue
-        # place on the freed nodes: fewest leaves, tightest fit; inside a leaf, nodes free now
-        # first, then those needing fewer victims
-        per_leaf: dict[int, list[int]] = {}
-        for o in sorted(freed):
-            per_leaf.setdefault(index.slots[o].leaf_ix, []).append(o)
-        counts = [(len(v), li) for li, v in sorted(per_leaf.items())]
-        choice = choose_leaves(counts, nodes)
-        if choice is None:
+        freed = _free_greedily(cand, index, table, nodes)
+        if freed is None:
             continue
-        picked: list[int] = []
-        for li, take in choice:
-            cands = per_leaf[li]
-            cands = sorted(
-                cands,
-                key=lambda o: (len(need_of.get(o, ())), sum(lost[i] for i in need_of.get(o, ())), o),
-            )
-            picked.extend(cands[:take])
-        victims: list[int] = []
-        vmark: dict[int, bool] = {}
-        waiting: list[int] = []
-        for o in picked:
-            for i in waits_of.get(o, ()):
-                if i not in waiting:
-                    waiting.append(i)
-            for i in need_of.get(o, ()):
-                if not vmark.get(i):
-                    vmark[i] = True
-                    victims.append(i)
-        victims.sort(key=lambda i: jobs[i].id)
+        placed = _place_on_freed(freed, cand, index, table, nodes)
+        if placed is None:
+            continue
+        victims, picked, waiting, leaves = placed
         lost_s = sum(lost[i] for i in victims)
-        key = (len(victims), lost_s, len(choice), z)
+        key = (len(victims), lost_s, leaves, z)
         if best_key is None or key < best_key:
             best_key = key
-            best_plan = Plan(victims, [index.slots[o] for o in sorted(picked)], len(victims) + len(waiting), lost_s, len(choice))
+            best_plan = Plan(victims, [index.slots[o] for o in sorted(picked)], len(victims) + len(waiting))
     return best_plan
+
+
+def _classified_candidates(
+    zone: ZoneClasses,
+    index: FreeIndex,
+    table: RunningTable,
+    gpus_per_node: int,
+    usable: Callable[[NodeSlot], bool],
+    same_user: Callable[[int], bool] | None,
+    rank: int,
+    time_sharing: bool,
+) -> _Candidates:
+    """From the per-cycle classification: only live facts are checked here (GPUs taken by
+    starts in this cycle, victims already chosen, reservations, the user rule)."""
+    free_now: list[int] = []
+    need_of: dict[int, tuple[int, ...] | list[int]] = {}
+    lost_of: dict[int, float] = {}
+    slots = index.slots
+    for o in zone.idle:
+        slot = slots[o]
+        if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
+            free_now.append(o)
+    held, chosen = table.held, table.chosen
+    for o, blockers, lost_sum, top, top_young in zone.freeable:
+        if top >= rank and not (time_sharing and top == rank and top_young < rank):
+            continue
+        slot = slots[o]
+        if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
+            continue
+        for i in blockers:
+            if chosen[i] or (same_user is not None and same_user(i)):
+                break
+        else:
+            if usable(slot):
+                need_of[o] = blockers
+                lost_of[o] = lost_sum
+    return _Candidates(free_now, need_of, lost_of, {})
+
+
+def _scanned_candidates(
+    zone_slots: Sequence[NodeSlot],
+    table: RunningTable,
+    gpus_per_node: int,
+    usable: Callable[[NodeSlot], bool],
+    eligible: Callable[[int], bool],
+    pend: set[int],
+) -> _Candidates:
+    """Every node of the zone, with the jobs already suspending for the waiting job counted as
+    freeing their GPUs."""
+    free_now: list[int] = []
+    need_of: dict[int, tuple[int, ...] | list[int]] = {}
+    waits_of: dict[int, list[int]] = {}
+    holders = table.holders
+    for slot in zone_slots:
+        if slot.gpus < gpus_per_node:
+            continue
+        hs = holders[slot.ord]
+        if not hs:
+            if len(slot.free) == slot.gpus and usable(slot):
+                free_now.append(slot.ord)
+            continue
+        if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
+            continue  # GPUs held by something the snapshot does not show: cannot be freed
+        needed: list[int] = []
+        waits: list[int] = []
+        ok = True
+        for i, _g in hs:
+            if i in pend:
+                waits.append(i)
+            elif eligible(i):
+                needed.append(i)
+            else:
+                ok = False
+                break
+        if not ok or not usable(slot):
+            continue
+        if needed:
+            need_of[slot.ord] = needed
+        else:
+            free_now.append(slot.ord)
+        waits_of[slot.ord] = waits
+    return _Candidates(free_now, need_of, {}, waits_of)
+
+
+def _leaf_potential(cand: _Candidates, index: FreeIndex) -> dict[int, int]:
+    """Per leaf: how many of its nodes could be freed for the waiting job."""
+    potential: dict[int, int] = {}
+    for o in cand.free_now:
+        li = index.slots[o].leaf_ix
+        potential[li] = potential.get(li, 0) + 1
+    for o in cand.need_of:
+        li = index.slots[o].leaf_ix
+        potential[li] = potential.get(li, 0) + 1
+    return potential
+
+
+def _free_greedily(cand: _Candidates, index: FreeIndex, table: RunningTable, nodes: int) -> list[int] | None:
+    """The nodes free now, then nodes needing the fewest remaining victims (least lost, on the
+    leaf with most potential, node order) until ``nodes`` are free; a victim spanning several
+    nodes frees them all. None: the zone cannot free enough."""
+    freed = list(cand.free_now)
+    if len(freed) >= nodes:
+        return freed
+    need_of, lost_of, lost = cand.need_of, cand.lost_of, table.lost
+    potential = _leaf_potential(cand, index)
+    remaining = {o: len(v) for o, v in need_of.items()}
+    rem_lost = {o: (lost_of[o] if o in lost_of else sum(lost[i] for i in v)) for o, v in need_of.items()}
+    heap = [(remaining[o], rem_lost[o], -potential[index.slots[o].leaf_ix], o) for o in sorted(need_of)]
+    heapq.heapify(heap)
+    done: dict[int, bool] = {}
+    chosen_mark: dict[int, bool] = {}
+    while len(freed) < nodes and heap:
+        cnt, lst, _pot, o = heapq.heappop(heap)
+        if done.get(o) or cnt != remaining[o] or lst != rem_lost[o]:
+            continue  # stale entry
+        for i in need_of[o]:
+            if chosen_mark.get(i):
+                continue
+            chosen_mark[i] = True
+            for o2 in table.nodes_of[i]:
+                if o2 in need_of and not done.get(o2):
+                    remaining[o2] -= 1
+                    rem_lost[o2] -= lost[i]
+                    if remaining[o2] == 0:
+                        done[o2] = True
+                        freed.append(o2)
+                    else:
+                        heapq.heappush(heap, (remaining[o2], rem_lost[o2], -potential[index.slots[o2].leaf_ix], o2))
+        if not done.get(o):  # all its blockers are chosen now
+            done[o] = True
+            freed.append(o)
+    return freed if len(freed) >= nodes else None
+
+
+def _place_on_freed(
+    freed: list[int], cand: _Candidates, index: FreeIndex, table: RunningTable, nodes: int
+) -> tuple[list[int], list[int], list[int], int] | None:
+    """Place on the freed nodes: fewest leaves, tightest fit; inside a leaf, nodes free now
+    first, then those needing fewer victims. (victims by job id, nodes, jobs already suspending
+    there, leaves) or None."""
+    need_of, lost, jobs = cand.need_of, table.lost, table.jobs
+    per_leaf: dict[int, list[int]] = {}
+    for o in sorted(freed):
+        per_leaf.setdefault(index.slots[o].leaf_ix, []).append(o)
+    counts = [(len(v), li) for li, v in sorted(per_leaf.items())]
+    choice = choose_leaves(counts, nodes)
+    if choice is None:
+        return None
+    picked: list[int] = []
+    for li, take in choice:
+        ordered = sorted(
+            per_leaf[li], key=lambda o: (len(need_of.get(o, ())), sum(lost[i] for i in need_of.get(o, ())), o)
+        )
+        picked.extend(ordered[:take])
+    victims: list[int] = []
+    vmark: dict[int, bool] = {}
+    waiting: list[int] = []
+    for o in picked:
+        for i in cand.waits_of.get(o, ()):
+            if i not in waiting:
+                waiting.append(i)
+        for i in need_of.get(o, ()):
+            if not vmark.get(i):
+                vmark[i] = True
+                victims.append(i)
+    victims.sort(key=lambda i: jobs[i].id)
+    return victims, picked, waiting, len(choice)

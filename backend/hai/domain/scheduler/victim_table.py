@@ -1,0 +1,199 @@
+"""The victim table: per-cycle facts about the running jobs that matter to victim choice.
+
+Built once per cycle (``victims.VictimFacts.table``) from the jobs that could be victims in it,
+and read by the planners (``preemption``): GPUs per node and job, GPU-seconds each would lose,
+who already suspends for whom, the victims chosen so far in this cycle (``chosen``, the only
+thing that changes), and two per-cycle indexes built on first use: every (possible victim,
+node) pair by size and lost work (``singles``) and each zone's nodes that could be freed
+(``zones``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from hai.domain.scheduler.model import Policy, RunningJob
+from hai.domain.scheduler.placement import FreeIndex
+
+# The two records below are built by the thousand each cycle and scanned in the planners' inner
+# loops, so they are plain tuples with a fixed layout (a NamedTuple costs ~4% of a Fire-Flyer
+# cycle: a Python frame to build each, the slow path to unpack them); every use unpacks them
+# into the field names given here.
+
+VictimOnNode = tuple[float, int, int, int, int]
+"""One (possible victim, node) pair: (lost, gpus, node, job_id, job) = GPU-seconds since the
+victim's last checkpoint, its GPUs on this node, the node's ord, its job id, its index into
+``RunningTable.jobs``. Tuples order by lost work first."""
+
+FreeableNode = tuple[int, tuple[int, ...], float, int, int]
+"""A node every holder of which is past its minimum runtime (and not suspending): (node,
+blockers, lost, top_rank, top_young_rank) = the node's ord, the jobs on it (indices), their lost
+GPU-seconds together, the highest effective rank among them, the highest rank among those not
+past the quantum (-1: none)."""
+
+
+class ZoneClasses(NamedTuple):
+    idle: list[int]  # nodes holding no indexed job
+    freeable: list[FreeableNode]
+
+
+class RunningTable:
+    """Per-cycle facts about the running jobs that matter to victim choice.
+
+    Only ``members`` are indexed: jobs that could be victims in this cycle (past their
+    minimum runtime and below some queued job's priority, or past the quantum) and jobs
+    already suspending for a queued job. A node holding GPUs of any other job cannot be freed
+    (its holders do not add up to its GPUs), which is exactly the rule.
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[RunningJob],
+        eff_rank: list[int],
+        min_ok: list[bool],
+        quantum_ok: list[bool],
+        members: list[int],
+        policy: Policy,
+        now: float,
+        index: FreeIndex,
+    ):
+        self.jobs = jobs
+        self.members = members
+        self.rank = eff_rank
+        self.min_ok = min_ok
+        self.quantum_ok = quantum_ok
+        n = len(jobs)
+        self.runtime = [0.0] * n
+        self.gpus = [0] * n
+        self.lost = [0.0] * n
+        self.chosen = [False] * n
+        holders: list[list[tuple[int, int]]] = [[] for _ in index.slots]
+        self.holders = holders
+        self.nodes_of: list[list[int]] = [[] for _ in jobs]
+        self.pending_for: dict[int, list[int]] = {}
+        self._singles: dict[int, list[VictimOnNode]] | None = None
+        self._zones: list[ZoneClasses] | None = None
+        self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
+        self.pending_mark = [False] * n
+        by_name = index.by_name
+        for i in members:
+            j = jobs[i]
+            g = 0
+            mine = self.nodes_of[i]
+            for a in j.allocations:
+                k = len(a.gpus)
+                g += k
+                slot = by_name.get(a.node)
+                if slot is None:
+                    continue
+                o = slot.ord
+                if o in mine:  # two allocations on one node: merge
+                    hs = holders[o]
+                    for x, (hi, hk) in enumerate(hs):
+                        if hi == i:
+                            hs[x] = (i, hk + k)
+                    continue
+                holders[o].append((i, k))
+                mine.append(o)
+            self.gpus[i] = g
+            self.runtime[i] = now - j.started_at
+            since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
+            self.lost[i] = g * max(0.0, now - since)
+            if j.suspend_requested_for is not None:
+                self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
+                self.pending_mark[i] = True
+        # GPUs held on each node by the indexed jobs
+        self.held = [sum(g for _i, g in hs) for hs in holders]
+
+    def singles(self) -> dict[int, list[VictimOnNode]]:
+        """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
+        first; largest buckets first. Built once per cycle; a waiting job scans it with its own
+        eligibility test, so a single-victim plan is found in the first entries instead of a
+        scan of every node."""
+        got = self._singles
+        if got is None:
+            flat = []
+            jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
+            for i in self.members:
+                if not min_ok[i]:
+                    continue
+                jid = jobs[i].id
+                for o in self.nodes_of[i]:
+                    for hi, g in holders[o]:
+                        if hi == i:
+                            flat.append((lost[i], g, o, jid, i))
+            flat.sort()
+            got = {}
+            for e in flat:
+                got.setdefault(e[1], []).append(e)  # by the victim's GPUs on the node
+            got = {g: got[g] for g in sorted(got, reverse=True)}
+            self._singles = got
+        return got
+
+    def zones(self, index: FreeIndex) -> list[ZoneClasses]:
+        """Per zone: the nodes holding no indexed job, and the nodes every job of which is past
+        its minimum runtime (and not suspending). Built once per cycle; a waiting job of rank R
+        may free a node when its top rank is below R, or (time-sharing) equal to R with every
+        job at R past the quantum (and of other users: checked live, with the victims already
+        chosen and the reservations)."""
+        got = self._zones
+        if got is not None:
+            return got
+        ranks, min_ok, q_ok, holders, lost = self.rank, self.min_ok, self.quantum_ok, self.holders, self.lost
+        pending = self.pending_mark
+        got = []
+        start = 0
+        for z in range(len(index.zones)):
+            size = index.zone_size[z]
+            idle: list[int] = []
+            freeable: list[FreeableNode] = []
+            for o in range(start, start + size):
+                hs = holders[o]
+                if not hs:
+                    idle.append(o)
+                    continue
+                top = top_young = -1
+                for i, _g in hs:
+                    if pending[i] or not min_ok[i]:
+                        break
+                    r = ranks[i]
+                    top = max(top, r)
+                    if not q_ok[i] and r > top_young:
+                        top_young = r
+                else:
+                    blockers = tuple(i for i, _g in hs)
+                    freeable.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
+            got.append(ZoneClasses(idle, freeable))
+            start += size
+        self._zones = got
+        return got
+
+    def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
+        key = (rank, user if time_sharing else "", time_sharing)
+        got = self._eligible.get(key)
+        if got is None:
+            got = self._eligible[key] = self._make_eligible(rank, user, time_sharing)
+        return got
+
+    def _make_eligible(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
+        """``victims.outranks`` and (time-sharing) ``victims.may_take_turn``, inline (called
+        for every candidate victim of every plan)."""
+        ranks, jobs, chosen, min_ok, q_ok = self.rank, self.jobs, self.chosen, self.min_ok, self.quantum_ok
+
+        if time_sharing:
+
+            def eligible(i: int) -> bool:
+                if chosen[i] or not min_ok[i]:
+                    return False
+                r = ranks[i]
+                if r < rank:
+                    return True
+                return r == rank and q_ok[i] and jobs[i].user != user
+
+        else:
+
+            def eligible(i: int) -> bool:
+                return min_ok[i] and not chosen[i] and ranks[i] < rank
+
+        return eligible
