@@ -15,7 +15,8 @@ from hai.db.migrate import downgrade, upgrade
 from hai.db.models import Base
 
 REPO = Path(__file__).resolve().parents[2]
-TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version"}
+TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version",
+          "gpu_samples", "metric_rollups", "gpu_status"}
 
 
 def _diff(url: str) -> list:

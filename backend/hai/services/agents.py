@@ -28,7 +28,7 @@ from hai.protocol import (
     LaunchSpec,
     ServerReply,
 )
-from hai.services import notify
+from hai.services import metrics_store, notify
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit, transition
 from hai.settings import Settings
@@ -89,6 +89,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     node.last_heartbeat_at = now
     if hb.gpus:
         node.gpu_metrics = [g.model_dump() for g in hb.gpus]
+    metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     _reconcile(session, node, hb.attempts, agent_digest=hb.assignments_digest, now=now, settings=settings)
     reply = _reply(session, node, settings)
     session.commit()

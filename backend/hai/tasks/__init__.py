@@ -27,6 +27,7 @@ class HaiCelery(Celery):
             beat_schedule={
                 "reap-lost-nodes": {"task": "hai.tasks.reap_lost_nodes", "schedule": 10.0},
                 "prune-logs": {"task": "hai.tasks.prune_logs", "schedule": 3600.0},
+                "prune-metrics": {"task": "hai.tasks.prune_metrics", "schedule": 3600.0},
             },
         )
 
@@ -58,3 +59,13 @@ def prune_logs(retention_days: int | None = None) -> int:
     days = retention_days if retention_days is not None else platform.settings.log_retention_days
     with platform.sessions() as session:
         return prune_finished_job_logs(session=session, older_than=timedelta(days=days))
+
+
+@app.task(name="hai.tasks.prune_metrics")
+def prune_metrics() -> int:
+    from hai.db.base import utcnow
+    from hai.services.metrics_store import prune
+
+    platform = _platform()
+    with platform.sessions() as session:
+        return prune(session=session, settings=platform.settings, now=utcnow())

@@ -203,4 +203,6 @@ class UserUsage(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-__all__ = ["ApiToken", "Base", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "Quota", "User", "UserUsage"]
+from hai.db.models.metrics import GpuSample, GpuStatus, MetricRollup  # noqa: E402
+
+__all__ = ["ApiToken", "Base", "GpuSample", "GpuStatus", "MetricRollup", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "Quota", "User", "UserUsage"]
