@@ -1,0 +1,49 @@
+import { useMemo, useState } from 'react'
+import { JOBS_PAGE, useJobs, type JobListParams, type JobState } from '../api/jobs'
+import { JobsTable } from '../components/Jobs/JobsTable'
+import { QueryStatus } from '../components/ui/QueryStatus'
+
+const STATES: JobState[] = ['queued', 'starting', 'running', 'suspending', 'succeeded', 'failed', 'cancelled']
+export const PRIORITIES = ['LOW', 'NORMAL', 'ABOVE_NORMAL', 'HIGH', 'VERY_HIGH', 'EXTREME_HIGH']
+
+export function JobsPage() {
+  const [state, setState] = useState('')
+  const [user, setUser] = useState('')
+  const [priority, setPriority] = useState('')
+  const params: JobListParams = { limit: JOBS_PAGE }
+  if (state) params.state = [state as JobState]
+  if (user.trim()) params.user = user.trim()
+  const jobs = useJobs(params)
+  const items = useMemo(
+    () => (jobs.data?.items ?? []).filter((j) => !priority || j.priority === priority),
+    [jobs.data, priority],
+  )
+  return (
+    <section>
+      <h2>Jobs</h2>
+      <div className="filters">
+        <label>State{' '}
+          <select value={state} onChange={(e) => setState(e.target.value)}>
+            <option value="">any</option>
+            {STATES.map((s) => <option key={s} value={s}>{s}</option>)}
+          </select>
+        </label>
+        <label>User <input value={user} onChange={(e) => setUser(e.target.value)} placeholder="any" size={12} /></label>
+        <label>Priority{' '}
+          <select value={priority} onChange={(e) => setPriority(e.target.value)}>
+            <option value="">any</option>
+            {PRIORITIES.map((p) => <option key={p} value={p}>{p}</option>)}
+          </select>
+        </label>
+        {jobs.data && (
+          <span className="muted" role="status">
+            {jobs.data.total > jobs.data.items.length
+              ? `newest ${jobs.data.items.length.toLocaleString()} of ${jobs.data.total.toLocaleString()} jobs (narrow with the filters)`
+              : `${items.length.toLocaleString()} jobs`}
+          </span>
+        )}
+      </div>
+      <QueryStatus query={jobs}>{() => <JobsTable jobs={items} />}</QueryStatus>
+    </section>
+  )
+}
