@@ -25,19 +25,23 @@ function Totals() {
   )
 }
 
+const WINDOW_S: Record<Window, number> = { hour: 3600, day: 86400, week: 7 * 86400 }
+
 function Utilisation() {
   const [w, setW] = useState<Window>('hour')
   const q = useClusterUtilisation(w)
   const data = useMemo(() => {
     const pts = q.data?.points ?? []
+    const now = Math.floor(Date.now() / 1000)
     return {
+      range: [now - WINDOW_S[w], now] as [number, number],
       times: pts.map((p) => p.t),
       series: [
         { label: 'mean util', values: pts.map((p) => p.util_avg_pct), colour: '#1a7f37' },
         { label: 'busy GPUs', values: pts.map((p) => p.busy_pct), colour: '#0969da' },
       ],
     }
-  }, [q.data])
+  }, [q.data, w])
   return (
     <div>
       <div className="tabs" role="group" aria-label="Period">
@@ -45,7 +49,7 @@ function Utilisation() {
           <button key={x} type="button" aria-pressed={w === x} onClick={() => setW(x)}>Last {x}</button>
         ))}
       </div>
-      <TimeChart title={`Cluster GPU utilisation, last ${w}`} times={data.times} series={data.series} />
+      <TimeChart title={`Cluster GPU utilisation, last ${w}`} times={data.times} series={data.series} range={data.range} />
     </div>
   )
 }

@@ -43,7 +43,7 @@ function Actions({ job }: { job: JobRead }) {
   const mine = me.data && (me.data.is_admin || me.data.name === job.user)
   if (!mine || TERMINAL.has(job.state)) return null
   const canSuspend = (job.state === 'running' || job.state === 'starting') && !job.held
-  const canResume = job.held
+  const canResume = job.held && job.state === 'queued'
   return (
     <div className="actions">
       <button type="button" onClick={() => act.mutate('cancel')} disabled={act.isPending}>Cancel job</button>
@@ -54,18 +54,22 @@ function Actions({ job }: { job: JobRead }) {
   )
 }
 
-function JobUtilisation({ id }: { id: number }) {
+function JobUtilisation({ id, from, to }: { id: number; from: string | null; to: string | null }) {
   const m = useJobMetrics(id)
   const data = useMemo(() => {
     const pts = m.data?.series.points ?? []
+    const end = Math.floor((to ? new Date(to).getTime() : Date.now()) / 1000)
+    const grain = m.data?.series.grain_s ?? 60
+    const start = from ? Math.floor(new Date(from).getTime() / 1000) : end - 3600
     return {
+      range: [Math.min(start, end - grain) - grain, end + grain] as [number, number],
       times: pts.map((p) => p.t),
       series: [
         { label: 'mean util', values: pts.map((p) => p.util_avg_pct), colour: '#1a7f37' },
         { label: 'busy GPUs', values: pts.map((p) => p.busy_pct), colour: '#0969da' },
       ],
     }
-  }, [m.data])
+  }, [m.data, from, to])
   return (
     <QueryStatus query={m}>
       {(d) => (
@@ -73,7 +77,7 @@ function JobUtilisation({ id }: { id: number }) {
           <p>
             Busy vs allocated: {d.busy_pct == null ? 'no samples yet' : `${d.busy_pct.toFixed(0)}% of allocated GPU samples busy, mean utilisation ${d.util_avg_pct?.toFixed(0)}%`}
           </p>
-          <TimeChart title="Job GPU utilisation" times={data.times} series={data.series} />
+          <TimeChart title="Job GPU utilisation" times={data.times} series={data.series} range={data.range} />
         </>
       )}
     </QueryStatus>
@@ -110,7 +114,7 @@ export default function JobPage() {
             <h3>Timeline</h3>
             <Timeline job={j} />
             <h3>GPU utilisation</h3>
-            <JobUtilisation id={j.id} />
+            <JobUtilisation id={j.id} from={j.started_at} to={j.finished_at} />
             <h3>Logs</h3>
             <LogView jobId={j.id} attempts={Math.max(1, j.attempt)} />
           </section>

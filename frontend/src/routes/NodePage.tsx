@@ -1,5 +1,6 @@
 import { useMemo, useState, type FormEvent } from 'react'
 import { Link, useParams } from 'react-router'
+import { ApiError } from '../api/client'
 import { useMe } from '../api/me'
 import { useNodeMetrics } from '../api/metrics'
 import { failedChecks, useNode, useNodeAction, useNodeValidations, type ValidationRun } from '../api/nodeHealth'
@@ -8,6 +9,11 @@ import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
 import { TimeChart } from '../components/ui/TimeChart'
 import { formatTime } from '../components/ui/format'
+
+/** The node exists (it is in the list) but the server has no such endpoint. */
+function missing(error: unknown): boolean {
+  return error instanceof ApiError && (error.status === 404 || error.status === 405)
+}
 
 const GPU_COLOURS = ['#0969da', '#1a7f37', '#9a6700', '#cf222e', '#8250df', '#bf3989', '#1b7c83', '#57606a']
 
@@ -72,7 +78,9 @@ export default function NodePage() {
   const chart = useMemo(() => {
     const gpus = metrics.data?.gpus ?? []
     const times = [...new Set(gpus.flatMap((g) => g.points.map((p) => p.t)))].sort((a, b) => a - b)
+    const now = Math.floor(Date.now() / 1000)
     return {
+      range: [now - 3600, now] as [number, number],
       times,
       series: gpus.map((g, i) => {
         const at = new Map(g.points.map((p) => [p.t, p.util_avg_pct]))
@@ -102,13 +110,14 @@ export default function NodePage() {
                 <td>{g.power_w == null ? '' : `${g.power_w} W`}</td><td>{g.ecc_uncorrected ?? ''}</td></tr>
             ))}</tbody>
           </table>
-          <TimeChart title="GPU utilisation, last hour" times={chart.times} series={chart.series} />
+          <TimeChart title="GPU utilisation, last hour" times={chart.times} series={chart.series} range={chart.range} />
         </>
       )}
       <h3>Validation</h3>
-      <QueryStatus query={validations}>{(runs) => <Validations runs={runs} />}</QueryStatus>
+      {missing(validations.error) ? <p className="muted">This server does not report validation runs.</p>
+        : <QueryStatus query={validations}>{(runs) => <Validations runs={runs} />}</QueryStatus>}
       <h3>Events</h3>
-      <QueryStatus query={detail}>
+      {missing(detail.error) ? <p className="muted">This server does not report node events.</p> : <QueryStatus query={detail}>
         {(d) => d.events.length === 0 ? <p className="muted">No events.</p> : (
           <table>
             <thead><tr><th>When</th><th>From</th><th>To</th><th>By</th><th>Reason</th></tr></thead>
@@ -117,7 +126,7 @@ export default function NodePage() {
             ))}</tbody>
           </table>
         )}
-      </QueryStatus>
+      </QueryStatus>}
     </section>
   )
 }

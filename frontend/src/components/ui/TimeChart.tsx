@@ -9,8 +9,10 @@ export interface ChartSeries {
 }
 
 /** A uPlot time series (x in epoch seconds), sized to its container's width. */
-export function TimeChart({ title, times, series, height = 180, yMax = 100, unit = '%' }: {
+export function TimeChart({ title, times, series, range, height = 180, yMax = 100, unit = '%' }: {
   title: string
+  /** the x range in epoch seconds (the period shown), so sparse data keeps a true time axis */
+  range?: [number, number]
   times: number[]
   series: ChartSeries[]
   height?: number
@@ -26,8 +28,15 @@ export function TimeChart({ title, times, series, height = 180, yMax = 100, unit
       title,
       width,
       height,
-      series: [{}, ...series.map((s) => ({ label: s.label, stroke: s.colour, width: 1.5, value: (_u: uPlot, v: number | null) => (v == null ? '–' : `${v.toFixed(1)}${unit}`) }))],
-      scales: { y: yMax == null ? {} : { range: [0, yMax] } },
+      series: [{}, ...series.map((s) => ({
+        label: s.label, stroke: s.colour, width: 1.5, spanGaps: false,
+        points: { show: times.length < 60, size: 4 },
+        value: (_u: uPlot, v: number | null) => (v == null ? '–' : `${v.toFixed(1)}${unit}`),
+      }))],
+      scales: {
+        x: range ? { time: true, range: () => [range[0], range[1]] } : { time: true },
+        y: yMax == null ? {} : { range: [0, yMax] },
+      },
       axes: [{}, { values: (_u, ticks) => ticks.map((t) => `${t}${unit}`) }],
     }
     const plot = new uPlot(opts, [times, ...series.map((s) => s.values)] as uPlot.AlignedData, el)
@@ -37,7 +46,7 @@ export function TimeChart({ title, times, series, height = 180, yMax = 100, unit
       ro.disconnect()
       plot.destroy()
     }
-  }, [title, times, series, height, yMax, unit])
+  }, [title, times, series, height, yMax, unit, range?.[0], range?.[1]])
   return (
     <figure className="chart" aria-label={title}>
       <div ref={box} />
