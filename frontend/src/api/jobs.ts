@@ -15,6 +15,8 @@ export const JOBS_REFETCH_MS = 3000
 export const JOB_REFETCH_MS = 2000
 /** The list shows the newest this many jobs that match the server-side filters. */
 export const JOBS_PAGE = 1000
+/** ...after a first screenful of this many. */
+export const JOBS_FIRST = 50
 
 export const jobKeys = {
   all: ['jobs'] as const,

@@ -80,7 +80,8 @@ function IdleAllocated({ onSelect }: { onSelect: (id: number) => void }) {
 
 export default function ClusterPage() {
   const nodes = useNodes()
-  const running = useJobs({ state: ['running', 'starting', 'suspending'], limit: 1000 }, { refetchIntervalMs: 5000 })
+  // the job picker's list waits for the tree (it is the heavier query)
+  const running = useJobs({ state: ['running', 'starting', 'suspending'], limit: 1000 }, { refetchIntervalMs: 10_000, enabled: nodes.isSuccess })
   const [selected, setSelected] = useState<number | null>(null)
   const highlight = useMemo(() => {
     const j = running.data?.items.find((x) => x.id === selected)

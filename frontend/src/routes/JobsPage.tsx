@@ -1,5 +1,5 @@
 import { useMemo, useState } from 'react'
-import { JOBS_PAGE, useJobs, type JobListParams, type JobState } from '../api/jobs'
+import { JOBS_FIRST, JOBS_PAGE, useJobs, type JobListParams, type JobState } from '../api/jobs'
 import { JobsTable } from '../components/Jobs/JobsTable'
 import { QueryStatus } from '../components/ui/QueryStatus'
 
@@ -10,10 +10,13 @@ export function JobsPage() {
   const [state, setState] = useState('')
   const [user, setUser] = useState('')
   const [priority, setPriority] = useState('')
-  const params: JobListParams = { limit: JOBS_PAGE }
-  if (state) params.state = [state as JobState]
-  if (user.trim()) params.user = user.trim()
-  const jobs = useJobs(params)
+  const filters: JobListParams = {}
+  if (state) filters.state = [state as JobState]
+  if (user.trim()) filters.user = user.trim()
+  // the newest screenful first (fast), then the whole page of 1,000, refreshed
+  const full = useJobs({ ...filters, limit: JOBS_PAGE })
+  const quick = useJobs({ ...filters, limit: JOBS_FIRST }, { refetchIntervalMs: false, enabled: !full.data })
+  const jobs = full.data || !quick.data ? full : quick
   const items = useMemo(
     () => (jobs.data?.items ?? []).filter((j) => !priority || j.priority === priority),
     [jobs.data, priority],
