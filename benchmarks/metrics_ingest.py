@@ -8,7 +8,7 @@ jobs (one 4-GPU job per half node) so job rollups are written too. Measures:
 - CPU: process CPU seconds spent in ingestion (buffering + flushes, client side) per second of
   cluster time, as % of one core; and the flushes' wall time (includes the database's own work)
   per second of cluster time, an upper bound on what the database spends.
-- Size: bytes per row of each table on PostgreSQL (pg_total_relation_size, indexes included)
+- Size: bytes per row (one per node and fine bucket for gpu_samples) of each table on PostgreSQL (pg_total_relation_size, indexes included)
   and from that the bytes written per day and the growth per day that retention keeps.
 - Reads: a week of cluster utilisation (coarse rollups of a full week at 1,250 nodes,
   generated in SQL) and the cluster summary, median of repeated calls, through the services the
@@ -129,7 +129,7 @@ def main() -> None:
                     buffer_cpu += time.process_time() - c0
                 if (sec + 1) % max(1, int(cfg.flush_interval_s)) == 0:
                     c0, w0 = time.process_time(), time.perf_counter()
-                    metrics_store.flush(session=s, settings=settings)
+                    metrics_store.flush(session=s, settings=settings, include_open=False)  # closed buckets, as live
                     flush_cpu += time.process_time() - c0
                     flush_wall += time.perf_counter() - w0
                     flushes += 1
@@ -148,12 +148,11 @@ def main() -> None:
             }
             by_grain = dict(s.execute(select(MetricRollup.grain_s, func.count()).group_by(MetricRollup.grain_s)).all())
         per_row = {t: sizes[t] / rows[t] for t in rows}
-        gpus_total = args.nodes * args.gpus
         jobs = args.nodes * max(1, (args.gpus // 2 + 3) // 4)
         day = 86400
         written = {
-            "gpu_samples": gpus_total * day / cfg.fine_s * per_row["gpu_samples"],
-            "rollups_fine": (1 + args.nodes + jobs) * day / cfg.fine_s * per_row["metric_rollups"],
+            "gpu_samples": args.nodes * day / cfg.fine_s * per_row["gpu_samples"],
+            "rollups_fine": (1 + jobs) * day / cfg.fine_s * per_row["metric_rollups"],
             "rollups_coarse": (1 + args.nodes + jobs) * day / cfg.coarse_s * per_row["metric_rollups"],
         }
 

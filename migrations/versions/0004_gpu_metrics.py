@@ -1,4 +1,4 @@
-"""gpu metrics: per-GPU fine samples, rollups per cluster/node/job, GPU status
+"""gpu metrics: per-node GPU samples at the fine grain, rollups per cluster/node/job, GPU status
 
 Revision ID: 0004
 Revises: 0001
@@ -19,14 +19,9 @@ def upgrade() -> None:
         "gpu_samples",
         sa.Column("node_name", sa.String(length=128), nullable=False),
         sa.Column("bucket", sa.Integer(), nullable=False),
-        sa.Column("gpu_index", sa.SmallInteger(), nullable=False),
-        sa.Column("n", sa.Integer(), nullable=False),
-        sa.Column("util_sum", sa.Float(), nullable=False),
-        sa.Column("util_max", sa.Float(), nullable=False),
-        sa.Column("mem_used_max_mib", sa.Integer(), nullable=False),
-        sa.Column("temp_max_c", sa.Float(), nullable=False),
-        sa.Column("power_sum_w", sa.Float(), nullable=False),
-        sa.PrimaryKeyConstraint("node_name", "bucket", "gpu_index", name=op.f("pk_gpu_samples")),
+        sa.Column("part", sa.Integer(), nullable=False),
+        sa.Column("gpus", sa.JSON(), nullable=False),
+        sa.PrimaryKeyConstraint("node_name", "bucket", "part", name=op.f("pk_gpu_samples")),
     )
     op.create_table(
         "metric_rollups",

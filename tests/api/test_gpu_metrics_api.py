@@ -34,12 +34,18 @@ def _running_job(api, gpus: int = 2) -> tuple[dict, list[int]]:
     return j, placed
 
 
+def _flush(api, include_open: bool = True) -> int:  # noqa: ANN001
+    with api.platform.sessions() as s:
+        return metrics_store.flush(session=s, settings=api.platform.settings, include_open=include_open)
+
+
 def test_heartbeats_roll_up_per_gpu_node_cluster_and_job(api):
-    api.platform.settings.metrics.flush_interval_s = 0  # every heartbeat writes (partial buckets merge)
     j, (a, b) = _running_job(api)
     att = [running(j["id"], 1, [0])]
     _beat(api, "n0", {a: 90.0}, att)
+    _flush(api)  # an early write of an open bucket: the rest of the bucket is another part
     _beat(api, "n0", {a: 70.0}, att)
+    _flush(api)
 
     with api.platform.sessions() as s:  # one minute bucket unless the two beats straddle a boundary
         buckets = s.scalar(select(func.count(func.distinct(GpuSample.bucket))))
@@ -67,22 +73,42 @@ def test_heartbeats_roll_up_per_gpu_node_cluster_and_job(api):
     assert jm["busy_pct"] == 50.0 and jm["util_avg_pct"] == 40.0
     assert api.get(f"/api/v1/jobs/{j['id']}/metrics", token=api.bob).status_code == 403
 
-    with api.platform.sessions() as s:  # the node's rollup holds the same samples as its GPUs
+    with api.platform.sessions() as s:  # the node's coarse rollup holds the same samples as its GPUs
         rows = s.execute(select(func.sum(MetricRollup.n), func.sum(MetricRollup.util_sum))
-                         .where(MetricRollup.scope == "node", MetricRollup.key == "n0", MetricRollup.grain_s == 60)).one()
+                         .where(MetricRollup.scope == "node", MetricRollup.key == "n0", MetricRollup.grain_s == 900)).one()
     assert rows == (16, 160.0)
+    nodes = api.get("/api/v1/nodes/n0/metrics").json()["series"]["points"]
+    assert sum(p["util_avg_pct"] for p in nodes) > 0 and max(p["util_max_pct"] for p in nodes) == 90
 
 
 def test_buffered_samples_wait_for_the_flush_interval(api):
     api.platform.settings.metrics.flush_interval_s = 3600
     api.register_node("n0")
-    with api.platform.sessions() as s:
-        metrics_store.flush(session=s, settings=api.platform.settings)  # start the interval now
+    _flush(api)  # start the interval now
     _beat(api, "n0", {0: 50.0})
     with api.platform.sessions() as s:
         assert s.scalar(select(func.count()).select_from(GpuSample)) == 0
-        assert metrics_store.flush(session=s, settings=api.platform.settings) == 8
-        assert s.scalar(select(func.count()).select_from(GpuSample)) == 8
+    assert _flush(api) == 1  # one row per node and bucket, its 8 GPUs inside
+    with api.platform.sessions() as s:
+        (row,) = s.scalars(select(GpuSample))
+        assert [g[0] for g in row.gpus] == list(range(8)) and row.gpus[0][2] == 50.0
+
+
+def test_a_bucket_is_written_once_it_has_closed(api):
+    settings = api.platform.settings
+    settings.metrics.flush_interval_s = 0
+    api.register_node("n0")
+    t0 = utcnow().replace(second=0, microsecond=0)
+    with api.platform.sessions() as s:
+        for dt in (1, 30):  # two beats in the first minute: buffered
+            metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 40.0}), now=t0 + timedelta(seconds=dt),
+                                           settings=settings)
+        assert s.scalar(select(func.count()).select_from(GpuSample)) == 0
+        metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 80.0}), now=t0 + timedelta(seconds=61),
+                                       settings=settings)
+        s.commit()
+        (row,) = s.scalars(select(GpuSample))  # the closed minute, once; the open one waits
+        assert row.bucket == int(t0.timestamp()) and row.gpus[0][:4] == [0, 2, 80.0, 40.0]
 
 
 def test_idle_allocated_gpus_are_listed_with_how_long_they_idled(api):
@@ -146,6 +172,7 @@ def test_retention_drops_fine_rows_and_keeps_coarse(api):
     with api.platform.sessions() as s:
         metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 10.0}), now=utcnow(), settings=settings)
         metrics_store.flush(session=s, settings=settings)
+        assert set(s.scalars(select(MetricRollup.grain_s).distinct())) == {60, 900}
         metrics_store.prune(session=s, settings=settings, now=utcnow() + timedelta(days=3))
         assert s.scalar(select(func.count()).select_from(GpuSample)) == 0
         grains = set(s.scalars(select(MetricRollup.grain_s).distinct()))

@@ -1,15 +1,18 @@
 """GPU metrics over time: buffered ingestion from heartbeats, rollups, retention and reads.
 
 Ingestion is cheap by design (1,250 nodes x 8 GPUs at 1 Hz): ``record_heartbeat`` only adds the
-heartbeat's figures into an in-process buffer (sums, counts and maxima per GPU and fine bucket).
-Every ``flush_interval_s`` one heartbeat's transaction writes the buffer with a few bulk upserts:
-per-GPU fine rows, rollups per cluster, node and job at the fine and coarse grain, and each
-GPU's status (last busy). Rows hold sums and counts, so partial buckets flushed by several API
-processes merge exactly. Jobs are attributed at flush time from the active allocations.
+heartbeat's figures into an in-process buffer (sums, counts and maxima per node, GPU and fine
+bucket). Each bucket is written ONCE, when it has closed: at most every ``flush_interval_s`` one
+heartbeat's transaction inserts the closed buckets (one row per node and bucket, its GPUs in a
+JSON list) and adds them into the rollups (cluster and job at the fine and coarse grain, node at
+the coarse grain) with batched upserts that add sums and keep maxima, and records each GPU's
+last busy time. Several API processes may each write part of a bucket (rows keyed by ``part``);
+readers add the parts up. Jobs are attributed at write time from the active allocations.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import weakref
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Iterable, Sequence
 
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from hai.db.models import GpuSample, GpuStatus, Job, JobAllocation, MetricRollup
@@ -26,33 +29,44 @@ from hai.settings import MetricsSettings, Settings
 
 WINDOWS_S = {"hour": 3600, "day": 86400, "week": 7 * 86400}
 
-# per (node, gpu index, fine bucket): n, util_sum, util_max, mem_max, temp_max, power_sum, busy_n
+# per GPU within a (node, bucket): n, util_sum, util_max, mem_max, temp_max, power_sum, busy_n
 _N, _USUM, _UMAX, _MEM, _TEMP, _PSUM, _BUSY = range(7)
+
+
+def _part() -> int:
+    return random.SystemRandom().randrange(1, 2**31 - 1)
 
 
 @dataclass
 class _Buffer:
-    samples: dict[tuple[str, int, int], list[float]] = field(default_factory=dict)
-    # per (node, gpu index): last seen epoch, last busy epoch (0 = not in this window), latest util
+    # (node, bucket) -> gpu index -> figures
+    samples: dict[tuple[str, int], dict[int, list[float]]] = field(default_factory=dict)
+    # (node, gpu index) -> [last seen epoch, last busy epoch (0: not busy since the last write), util]
     status: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    part: int = field(default_factory=_part)
     lock: threading.Lock = field(default_factory=threading.Lock)
     flush_lock: threading.Lock = field(default_factory=threading.Lock)
     last_flush: float = field(default_factory=time.monotonic)
+    latest_s: float = 0.0  # the newest heartbeat time seen
 
     def add(self, node: str, gpus: Iterable, now_s: float, cfg: MetricsSettings) -> None:  # noqa: ANN001
         bucket = int(now_s // cfg.fine_s) * cfg.fine_s
         busy_at = cfg.busy_util_pct
         with self.lock:
-            samples, status = self.samples, self.status
+            if now_s > self.latest_s:
+                self.latest_s = now_s
+            per_gpu = self.samples.get((node, bucket))
+            if per_gpu is None:
+                per_gpu = self.samples[(node, bucket)] = {}
+            status = self.status
             for g in gpus:
                 util = float(g.util_pct)
                 temp = float(g.temperature_c or 0.0)
                 power = float(g.power_w or 0.0)
                 busy = util >= busy_at
-                key = (node, g.index, bucket)
-                row = samples.get(key)
+                row = per_gpu.get(g.index)
                 if row is None:
-                    samples[key] = [1, util, util, g.memory_used_mib, temp, power, 1 if busy else 0]
+                    per_gpu[g.index] = [1, util, util, g.memory_used_mib, temp, power, 1 if busy else 0]
                 else:
                     row[_N] += 1
                     row[_USUM] += util
@@ -74,12 +88,22 @@ class _Buffer:
                     if busy:
                         st[1] = now_s
 
-    def take(self) -> tuple[dict, dict]:
+    def take(self, cfg: MetricsSettings, *, include_open: bool) -> tuple[dict, dict, int]:
+        """The closed buckets (all of them with ``include_open``) and the GPU status, removed
+        from the buffer, with the part id to write them under."""
         with self.lock:
-            samples, status = self.samples, self.status
-            self.samples, self.status = {}, {}
             self.last_flush = time.monotonic()
-        return samples, status
+            part = self.part
+            if include_open:
+                samples, self.samples = self.samples, {}
+                self.part = _part()  # what arrives later for an open bucket is another part
+            else:
+                open_from = int(self.latest_s // cfg.fine_s) * cfg.fine_s
+                samples = {k: v for k, v in self.samples.items() if k[1] < open_from}
+                for k in samples:
+                    del self.samples[k]
+            status, self.status = (self.status, {}) if samples or include_open else ({}, self.status)
+        return samples, status, part
 
 
 _buffers: "weakref.WeakKeyDictionary[Engine, _Buffer]" = weakref.WeakKeyDictionary()
@@ -101,56 +125,60 @@ def _epoch(dt: datetime) -> float:
 
 # -- ingestion ------------------------------------------------------------------------------
 def record_heartbeat(*, session: Session, node: str, gpus: Sequence, now: datetime, settings: Settings) -> None:  # noqa: ANN001
-    """Buffer one heartbeat's GPU figures; write the buffer when it is due (in this session's
-    transaction: the caller commits). The one hook the heartbeat calls."""
+    """Buffer one heartbeat's GPU figures; write the closed buckets when a write is due (in this
+    session's transaction: the caller commits). The one hook the heartbeat calls."""
     cfg = settings.metrics
     buf = _buffer(session)
     if gpus:
         buf.add(node, gpus, _epoch(now), cfg)
     if time.monotonic() - buf.last_flush >= cfg.flush_interval_s and buf.flush_lock.acquire(blocking=False):
         try:
-            _write(session, buf, cfg)
+            _write(session, buf, cfg, include_open=False)
         finally:
             buf.flush_lock.release()
 
 
-def flush(*, session: Session, settings: Settings) -> int:
-    """Write what is buffered now and commit; returns the per-GPU rows written."""
+def flush(*, session: Session, settings: Settings, include_open: bool = True) -> int:
+    """Write what is buffered (by default also the buckets still open) and commit; returns the
+    node-bucket rows written."""
     buf = _buffer(session)
     with buf.flush_lock:
-        written = _write(session, buf, settings.metrics)
+        written = _write(session, buf, settings.metrics, include_open=include_open)
     session.commit()
     return written
 
 
-def _upsert(session: Session, model, rows: list[dict], keys: Sequence[str], add: Sequence[str], maxed: Sequence[str]) -> None:  # noqa: ANN001
+def _dialect_insert(session: Session):  # noqa: ANN202
+    if session.get_bind().dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+
+        return dialect_insert, func.greatest
+    from sqlalchemy.dialects.sqlite import insert as dialect_insert
+
+    return dialect_insert, func.max
+
+
+def _upsert(session: Session, model, rows: list[dict], keys: Sequence[str], add: Sequence[str], maxed: Sequence[str],  # noqa: ANN001
+            replace: Sequence[str] = ()) -> None:
     if not rows:
         return
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-
-        greatest = func.greatest
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-
-        greatest = func.max
+    dialect_insert, greatest = _dialect_insert(session)
     table = model.__table__
     rows.sort(key=lambda r: tuple(r[k] for k in keys))  # one lock order across writers
-    chunk = 2000
-    for i in range(0, len(rows), chunk):
-        stmt = insert(table).values(rows[i : i + chunk])
-        ex = stmt.excluded
-        updates = {c: table.c[c] + ex[c] for c in add}
-        updates.update({c: greatest(table.c[c], ex[c]) for c in maxed})
-        session.execute(stmt.on_conflict_do_update(index_elements=list(keys), set_=updates))
+    stmt = dialect_insert(table)
+    ex = stmt.excluded
+    updates = {c: table.c[c] + ex[c] for c in add}
+    updates.update({c: greatest(table.c[c], ex[c]) for c in maxed})
+    updates.update({c: ex[c] for c in replace})
+    # one cached statement, executemany (batched "insertmanyvalues" under the hood)
+    session.execute(stmt.on_conflict_do_update(index_elements=list(keys), set_=updates), rows)
 
 
-def _write(session: Session, buf: _Buffer, cfg: MetricsSettings) -> int:
-    samples, status = buf.take()
+def _write(session: Session, buf: _Buffer, cfg: MetricsSettings, *, include_open: bool) -> int:
+    samples, status, part = buf.take(cfg, include_open=include_open)
     if not samples and not status:
         return 0
-    nodes = sorted({k[0] for k in status})
+    nodes = sorted({k[0] for k in samples} | {k[0] for k in status})
     owner: dict[tuple[str, int], int] = {}
     if nodes:
         for job_id, node_name, gpus in session.execute(
@@ -161,22 +189,24 @@ def _write(session: Session, buf: _Buffer, cfg: MetricsSettings) -> int:
             for g in gpus or ():
                 owner[(node_name, int(g))] = job_id
 
-    fine_rows = []
+    fine, coarse = cfg.fine_s, cfg.coarse_s
+    sample_rows = []
     roll: dict[tuple[str, str, int, int], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    coarse = cfg.coarse_s
-    for (node, gpu, bucket), r in samples.items():
-        fine_rows.append(
-            {"node_name": node, "bucket": bucket, "gpu_index": gpu, "n": int(r[_N]), "util_sum": r[_USUM],
-             "util_max": r[_UMAX], "mem_used_max_mib": int(r[_MEM]), "temp_max_c": r[_TEMP], "power_sum_w": r[_PSUM]}
-        )
+    for (node, bucket), per_gpu in samples.items():
+        sample_rows.append({
+            "node_name": node, "bucket": bucket, "part": part,
+            "gpus": [[i, int(r[_N]), round(r[_USUM], 1), round(r[_UMAX], 1), int(r[_MEM]), round(r[_TEMP], 1),
+                      round(r[_PSUM], 1), int(r[_BUSY])]
+                     for i, r in sorted(per_gpu.items())],
+        })
         cb = bucket // coarse * coarse
-        targets = [("cluster", ""), ("node", node)]
-        job_id = owner.get((node, gpu))
-        if job_id is not None:
-            targets.append(("job", str(job_id)))
-        for scope, key in targets:
-            for grain, b in ((cfg.fine_s, bucket), (coarse, cb)):
-                acc = roll[(scope, key, grain, b)]
+        for gpu, r in per_gpu.items():
+            targets = [("cluster", "", fine, bucket), ("cluster", "", coarse, cb), ("node", node, coarse, cb)]
+            job_id = owner.get((node, gpu))
+            if job_id is not None:
+                targets += [("job", str(job_id), fine, bucket), ("job", str(job_id), coarse, cb)]
+            for t in targets:
+                acc = roll[t]
                 acc[0] += r[_N]
                 acc[1] += r[_BUSY]
                 acc[2] += r[_USUM]
@@ -186,49 +216,23 @@ def _write(session: Session, buf: _Buffer, cfg: MetricsSettings) -> int:
                 if r[_TEMP] > acc[5]:
                     acc[5] = r[_TEMP]
                 acc[6] += r[_PSUM]
+    if sample_rows:
+        session.execute(insert(GpuSample), sample_rows)
     roll_rows = [
         {"scope": s, "key": k, "grain_s": g, "bucket": b, "n": int(a[0]), "busy_n": int(a[1]), "util_sum": a[2],
          "util_max": a[3], "mem_used_sum_mib": a[4], "temp_max_c": a[5], "power_sum_w": a[6]}
         for (s, k, g, b), a in roll.items()
     ]
+    _upsert(session, MetricRollup, roll_rows, ("scope", "key", "grain_s", "bucket"),
+            ("n", "busy_n", "util_sum", "mem_used_sum_mib", "power_sum_w"), ("util_max", "temp_max_c"))
     status_rows = [
         {"node_name": n, "gpu_index": g, "last_seen_at": st[0], "last_busy_at": st[1], "util_pct": st[2]}
         for (n, g), st in status.items()
     ]
-    _upsert(session, GpuSample, fine_rows, ("node_name", "bucket", "gpu_index"),
-            ("n", "util_sum", "power_sum_w"), ("util_max", "mem_used_max_mib", "temp_max_c"))
-    _upsert(session, MetricRollup, roll_rows, ("scope", "key", "grain_s", "bucket"),
-            ("n", "busy_n", "util_sum", "mem_used_sum_mib", "power_sum_w"), ("util_max", "temp_max_c"))
-    _upsert_status(session, status_rows)
+    _upsert(session, GpuStatus, status_rows, ("node_name", "gpu_index"), (), ("last_seen_at", "last_busy_at"),
+            replace=("util_pct",))
     session.flush()
-    return len(fine_rows)
-
-
-def _upsert_status(session: Session, rows: list[dict]) -> None:
-    if not rows:
-        return
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-
-        greatest = func.greatest
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-
-        greatest = func.max
-    table = GpuStatus.__table__
-    rows.sort(key=lambda r: (r["node_name"], r["gpu_index"]))
-    for i in range(0, len(rows), 2000):
-        stmt = insert(table).values(rows[i : i + 2000])
-        ex = stmt.excluded
-        session.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["node_name", "gpu_index"],
-                set_={"last_seen_at": greatest(table.c.last_seen_at, ex.last_seen_at),
-                      "last_busy_at": greatest(table.c.last_busy_at, ex.last_busy_at),
-                      "util_pct": ex.util_pct},
-            )
-        )
+    return len(sample_rows)
 
 
 # -- retention ------------------------------------------------------------------------------
@@ -266,12 +270,48 @@ def _grain_for(window_s: float, cfg: MetricsSettings) -> int:
     return cfg.fine_s if window_s <= 86400 and window_s <= cfg.fine_retention_h * 3600 else cfg.coarse_s
 
 
+def _node_fine(session: Session, node: str, since: int) -> dict[int, dict[int, list[float]]]:
+    """bucket -> gpu index -> [n, util_sum, util_max, mem_max, temp_max, power_sum, busy_n], the
+    parts of each bucket added up."""
+    out: dict[int, dict[int, list[float]]] = defaultdict(dict)
+    for bucket, gpus in session.execute(
+        select(GpuSample.bucket, GpuSample.gpus).where(GpuSample.node_name == node, GpuSample.bucket >= since)
+        .order_by(GpuSample.bucket)
+    ):
+        per = out[bucket]
+        for idx, n, usum, umax, mem, temp, psum, busy in gpus:
+            acc = per.get(idx)
+            if acc is None:
+                per[idx] = [n, usum, umax, mem, temp, psum, busy]
+            else:
+                acc[0] += n
+                acc[1] += usum
+                acc[2] = max(acc[2], umax)
+                acc[3] = max(acc[3], mem)
+                acc[4] = max(acc[4], temp)
+                acc[5] += psum
+                acc[6] += busy
+    return out
+
+
 def series(*, session: Session, scope: str, key: str, window: str, now: datetime, settings: Settings) -> tuple[int, list[Point]]:
-    """A rollup series over the window (``hour`` | ``day`` | ``week``): (grain_s, points)."""
+    """A series over the window (``hour`` | ``day`` | ``week``): (grain_s, points). Rollups,
+    except a node's fine series, which its per-node GPU rows give."""
     cfg = settings.metrics
     span = WINDOWS_S[window]
     grain = _grain_for(span, cfg)
     since = int(_epoch(now) - span) // grain * grain
+    if scope == "node" and grain == cfg.fine_s:
+        points = []
+        for b, per in sorted(_node_fine(session, key, since).items()):
+            n = sum(a[0] for a in per.values())
+            if n:
+                points.append(Point(
+                    t=b, util_avg_pct=sum(a[1] for a in per.values()) / n, util_max_pct=max(a[2] for a in per.values()),
+                    busy_pct=100.0 * sum(a[6] for a in per.values()) / n,
+                    mem_used_avg_mib=sum(a[3] * a[0] for a in per.values()) / n,
+                    temp_max_c=max(a[4] for a in per.values()), power_avg_w=sum(a[5] for a in per.values()) / n))
+        return grain, points
     rows = session.execute(
         select(MetricRollup.bucket, MetricRollup.n, MetricRollup.busy_n, MetricRollup.util_sum, MetricRollup.util_max,
                MetricRollup.mem_used_sum_mib, MetricRollup.temp_max_c, MetricRollup.power_sum_w)
@@ -299,15 +339,11 @@ def gpu_series(*, session: Session, node: str, window: str, now: datetime, setti
     span = min(WINDOWS_S[window], cfg.fine_retention_h * 3600)
     since = int(_epoch(now) - span) // cfg.fine_s * cfg.fine_s
     out: dict[int, list[Point]] = defaultdict(list)
-    for s in session.scalars(
-        select(GpuSample).where(GpuSample.node_name == node, GpuSample.bucket >= since)
-        .order_by(GpuSample.gpu_index, GpuSample.bucket)
-    ):
-        if s.n:
-            out[s.gpu_index].append(
-                Point(t=s.bucket, util_avg_pct=s.util_sum / s.n, util_max_pct=s.util_max, busy_pct=0.0,
-                      mem_used_avg_mib=float(s.mem_used_max_mib), temp_max_c=s.temp_max_c, power_avg_w=s.power_sum_w / s.n)
-            )
+    for b, per in sorted(_node_fine(session, node, since).items()):
+        for idx, (n, usum, umax, mem, temp, psum, busy) in sorted(per.items()):
+            if n:
+                out[idx].append(Point(t=b, util_avg_pct=usum / n, util_max_pct=umax, busy_pct=100.0 * busy / n,
+                                      mem_used_avg_mib=float(mem), temp_max_c=temp, power_avg_w=psum / n))
     return [GpuSeries(index=i, points=pts) for i, pts in sorted(out.items())]
 
 

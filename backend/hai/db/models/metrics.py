@@ -4,31 +4,31 @@ maxima). Times are epoch seconds (integers): small rows, cheap range scans."""
 
 from __future__ import annotations
 
-from sqlalchemy import Float, Integer, SmallInteger, String
+from sqlalchemy import JSON, Float, Integer, SmallInteger, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from hai.db.base import Base
 
 
 class GpuSample(Base):
-    """One GPU over one fine bucket (``HAI_METRICS__FINE_S``); kept ``fine_retention_h``."""
+    """One node's GPUs over one fine bucket (``HAI_METRICS__FINE_S``), written once when the
+    bucket closes; kept ``fine_retention_h``. ``gpus`` holds one list per GPU:
+    [index, samples, util_sum, util_max, mem_used_max_mib, temp_max_c, power_sum_w, busy_samples]. ``part``
+    tells apart rows of one bucket written by different API processes (or an early flush);
+    readers add them up."""
 
     __tablename__ = "gpu_samples"
 
     node_name: Mapped[str] = mapped_column(String(128), primary_key=True)
     bucket: Mapped[int] = mapped_column(Integer, primary_key=True)  # epoch s of the bucket start
-    gpu_index: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
-    n: Mapped[int] = mapped_column(Integer, default=0)  # samples
-    util_sum: Mapped[float] = mapped_column(Float, default=0.0)
-    util_max: Mapped[float] = mapped_column(Float, default=0.0)
-    mem_used_max_mib: Mapped[int] = mapped_column(Integer, default=0)
-    temp_max_c: Mapped[float] = mapped_column(Float, default=0.0)
-    power_sum_w: Mapped[float] = mapped_column(Float, default=0.0)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpus: Mapped[list[list[float]]] = mapped_column(JSON, default=list)
 
 
 class MetricRollup(Base):
-    """GPU samples rolled up per ``scope`` (cluster | node | job) and ``key`` ('' | node name |
-    job id) over buckets of ``grain_s`` (fine and coarse)."""
+    """GPU samples rolled up per ``scope`` and ``key`` over buckets of ``grain_s``: the cluster
+    ('') and each job (its id) at the fine and coarse grain, each node (its name) at the coarse
+    grain (its fine series is its gpu_samples rows)."""
 
     __tablename__ = "metric_rollups"
 
