@@ -53,7 +53,7 @@ class MetricsSettings(BaseModel):
     ``fine_retention_h``; per-node/job/cluster rollups at ``fine_s`` (same retention) and
     ``coarse_s`` (kept ``coarse_retention_days``)."""
 
-    fine_s: int = Field(default=60, gt=0)
+    fine_s: int = Field(default=120, gt=0)
     coarse_s: int = Field(default=900, gt=0)
     flush_interval_s: float = Field(default=10.0, ge=0, description="buffered samples are written this often")
     fine_retention_h: float = Field(default=48.0, gt=0)

@@ -3,7 +3,7 @@ idle allocated GPUs; usage per user and group; retention; Prometheus; deep links
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select, update
@@ -50,8 +50,8 @@ def test_heartbeats_roll_up_per_gpu_node_cluster_and_job(api):
     with api.platform.sessions() as s:  # one minute bucket unless the two beats straddle a boundary
         buckets = s.scalar(select(func.count(func.distinct(GpuSample.bucket))))
     pts = api.get("/api/v1/cluster/utilisation", params={"window": "hour"}).json()
-    assert pts["grain_s"] == 60
-    n_samples = 16
+    assert pts["grain_s"] == api.platform.settings.metrics.fine_s
+    n_samples = 16  # 8 GPUs x 2 heartbeats
     if buckets == 1:
         (p,) = pts["points"]
         assert p["util_avg_pct"] == (90 + 70) / n_samples
@@ -98,13 +98,13 @@ def test_a_bucket_is_written_once_it_has_closed(api):
     settings = api.platform.settings
     settings.metrics.flush_interval_s = 0
     api.register_node("n0")
-    t0 = utcnow().replace(second=0, microsecond=0)
+    t0 = datetime.fromtimestamp(int(utcnow().timestamp()) // 120 * 120, timezone.utc)
     with api.platform.sessions() as s:
         for dt in (1, 30):  # two beats in the first minute: buffered
             metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 40.0}), now=t0 + timedelta(seconds=dt),
                                            settings=settings)
         assert s.scalar(select(func.count()).select_from(GpuSample)) == 0
-        metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 80.0}), now=t0 + timedelta(seconds=61),
+        metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 80.0}), now=t0 + timedelta(seconds=121),
                                        settings=settings)
         s.commit()
         (row,) = s.scalars(select(GpuSample))  # the closed minute, once; the open one waits
@@ -172,7 +172,7 @@ def test_retention_drops_fine_rows_and_keeps_coarse(api):
     with api.platform.sessions() as s:
         metrics_store.record_heartbeat(session=s, node="n0", gpus=_gpus({0: 10.0}), now=utcnow(), settings=settings)
         metrics_store.flush(session=s, settings=settings)
-        assert set(s.scalars(select(MetricRollup.grain_s).distinct())) == {60, 900}
+        assert set(s.scalars(select(MetricRollup.grain_s).distinct())) == {settings.metrics.fine_s, 900}
         metrics_store.prune(session=s, settings=settings, now=utcnow() + timedelta(days=3))
         assert s.scalar(select(func.count()).select_from(GpuSample)) == 0
         grains = set(s.scalars(select(MetricRollup.grain_s).distinct()))

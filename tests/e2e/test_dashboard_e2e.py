@@ -145,7 +145,7 @@ def test_cluster_page_shows_every_node_under_its_leaf_and_zone(dash, request):
         wait_for(lambda: {el.get_attribute("aria-label") for el in page.locator("a.node.highlighted").all()} == placed,
                  timeout=10, what="the job's nodes to be highlighted")
         shot(page, "cluster")
-        page.get_by_role("link", name=sorted(placed)[0], exact=True).click()
+        page.locator(".fat-tree").get_by_role("link", name=sorted(placed)[0], exact=True).click()
         page.get_by_role("heading", name=f"Node {sorted(placed)[0]}").wait_for()
         page.get_by_role("link", name=f"job {busy['id']}").wait_for()
         shot(page, "node-page")
