@@ -210,3 +210,13 @@ def test_prometheus_exports_node_gpu_figures_jobs_by_priority_and_queue_wait(api
     assert m[("hai_jobs_by_priority", (("priority", "LOW"), ("state", "queued")))] == 1
     assert m[("hai_queue_wait_max_seconds", (("priority", "LOW"),))] > 0
     assert m[("hai_queue_wait_max_seconds", (("priority", "HIGH"),))] == 0
+
+
+def test_cluster_nodes_are_light_rows_with_allocation_utilisation_and_jobs(api):
+    j, (a, _b) = _running_job(api, gpus=2)
+    api.register_node("n1", zone="B", leaf="B1")
+    _beat(api, "n0", {a: 80.0}, [running(j["id"], 1, [0])])
+    rows = {n["name"]: n for n in api.get("/api/v1/cluster/nodes").json()}
+    assert rows["n0"] == {"name": "n0", "zone": "A", "leaf": "A1", "state": "ready", "state_reason": "", "gpus": 8,
+                          "allocated_gpus": 2, "util_pct": 10.0, "jobs": [j["id"]]}
+    assert rows["n1"]["util_pct"] is None and rows["n1"]["jobs"] == [] and rows["n1"]["zone"] == "B"

@@ -31,6 +31,12 @@ def cluster_summary(session: SessionDep, platform: PlatformDep, _user: CurrentUs
     return m.ClusterSummary(**asdict(s))
 
 
+@router.get("/cluster/nodes", response_model=list[m.ClusterNodeRead])
+def cluster_nodes(session: SessionDep, _user: CurrentUser) -> list[m.ClusterNodeRead]:
+    """Every node, lightly, for the fat-tree view (zone, leaf, state, allocation, utilisation, jobs)."""
+    return [m.ClusterNodeRead(**asdict(n)) for n in metrics_store.cluster_nodes(session=session)]
+
+
 @router.get("/cluster/utilisation", response_model=m.MetricSeries)
 def cluster_utilisation(
     session: SessionDep, platform: PlatformDep, _user: CurrentUser, window: m.Window = m.Window.hour

@@ -89,3 +89,15 @@ class QuotaUseRead(BaseModel):
     user: str | None
     gpus: int
     used_gpus: int
+
+
+class ClusterNodeRead(BaseModel):
+    name: str
+    zone: str
+    leaf: str
+    state: str
+    state_reason: str
+    gpus: int
+    allocated_gpus: int
+    util_pct: float | None = Field(description="mean GPU utilisation in the latest heartbeat")
+    jobs: list[int] = Field(description="jobs holding GPUs here")

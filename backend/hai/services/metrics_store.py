@@ -436,3 +436,39 @@ def cluster_summary(*, session: Session, settings: Settings) -> ClusterSummary:
     running = session.scalar(select(func.count()).select_from(Job).where(Job.state == "running")) or 0
     return ClusterSummary(gpus=gpus, allocated_gpus=allocated, busy_gpus=busy, queued_by_priority=queued,
                           running_jobs=int(running))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNode:
+    name: str
+    zone: str
+    leaf: str
+    state: str
+    state_reason: str
+    gpus: int
+    allocated_gpus: int
+    util_pct: float | None  # mean over the node's GPUs, latest heartbeat
+    jobs: list[int]
+
+
+def cluster_nodes(*, session: Session) -> list[ClusterNode]:
+    """Every node as the fat-tree view draws it: one light row each (no inventories)."""
+    from hai.db.models import Node
+
+    held: dict[str, int] = defaultdict(int)
+    jobs: dict[str, set[int]] = defaultdict(set)
+    for node, gpus, job_id in session.execute(
+        select(JobAllocation.node_name, JobAllocation.gpus, JobAllocation.job_id).where(JobAllocation.active.is_(True))
+    ):
+        held[node] += len(gpus or ())
+        jobs[node].add(job_id)
+    out = []
+    for name, zone, leaf, state, reason, gpus, metrics in session.execute(
+        select(Node.name, Node.zone, Node.leaf, Node.state, Node.state_reason, Node.gpus, Node.gpu_metrics)
+        .order_by(Node.zone, Node.leaf, Node.name)
+    ):
+        utils = [g["util_pct"] for g in metrics or () if g.get("util_pct") is not None]
+        out.append(ClusterNode(name=name, zone=zone, leaf=leaf, state=state, state_reason=reason, gpus=gpus,
+                               allocated_gpus=held.get(name, 0), util_pct=sum(utils) / len(utils) if utils else None,
+                               jobs=sorted(jobs.get(name, ()))))
+    return out

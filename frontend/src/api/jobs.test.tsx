@@ -7,7 +7,7 @@ import { App } from '../App'
 import { JobsTable } from '../components/Jobs/JobsTable'
 import { groupTree } from '../components/Nodes/FatTree'
 import { parseEnv, splitCommand } from '../components/ui/format'
-import type { NodeRead } from './nodes'
+import type { ClusterNode } from './metrics'
 import { ApiError } from './client'
 import { fieldErrors, jobKeys, useJobs, type JobList, type JobRead } from './jobs'
 import { createQueryClient } from './queryClient'
@@ -157,7 +157,7 @@ describe('helpers', () => {
     expect(timelineLabel('running', 'cancelled', true)).toBe('finished (cancelled)')
   })
   it('groups nodes by zone and leaf in natural order', () => {
-    const n = (name: string, zone: string, leaf: string) => ({ name, zone, leaf }) as NodeRead
+    const n = (name: string, zone: string, leaf: string) => ({ name, zone, leaf }) as ClusterNode
     const tree = groupTree([n('n10', 'B', 'L2'), n('n2', 'A', 'L10'), n('n1', 'A', 'L2')])
     expect(tree.map((z) => [z.name, z.leaves.map((l) => [l.name, l.nodes.map((x) => x.name)])])).toEqual([
       ['A', [['L2', ['n1']], ['L10', ['n2']]]], ['B', [['L2', ['n10']]]],

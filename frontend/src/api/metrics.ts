@@ -49,3 +49,13 @@ export function useNodeMetrics(name: string, window: Window = 'hour') {
     refetchInterval: 15_000,
   })
 }
+
+export type ClusterNode = paths['/api/v1/cluster/nodes']['get']['responses'][200]['content']['application/json'][number]
+
+export function useClusterNodes() {
+  return useQuery({
+    queryKey: [...metricKeys.all, 'nodes'] as const,
+    queryFn: async ({ signal }) => unwrap(await api.GET('/api/v1/cluster/nodes', { signal })),
+    refetchInterval: 5000,
+  })
+}

@@ -1,8 +1,7 @@
 import { useMemo, useState } from 'react'
 import { Link } from 'react-router'
 import { useJobs } from '../api/jobs'
-import { useClusterSummary, useClusterUtilisation, useIdleAllocations, type Window } from '../api/metrics'
-import { useNodes } from '../api/nodes'
+import { useClusterNodes, useClusterSummary, useClusterUtilisation, useIdleAllocations, type Window } from '../api/metrics'
 import { FatTree } from '../components/Nodes/FatTree'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { TimeChart } from '../components/ui/TimeChart'
@@ -79,14 +78,14 @@ function IdleAllocated({ onSelect }: { onSelect: (id: number) => void }) {
 }
 
 export default function ClusterPage() {
-  const nodes = useNodes()
+  const nodes = useClusterNodes()
   // the job picker's list waits for the tree (it is the heavier query)
   const running = useJobs({ state: ['running', 'starting', 'suspending'], limit: 1000 }, { refetchIntervalMs: 10_000, enabled: nodes.isSuccess })
   const [selected, setSelected] = useState<number | null>(null)
-  const highlight = useMemo(() => {
-    const j = running.data?.items.find((x) => x.id === selected)
-    return new Set(j ? j.placement.map((p) => p.node) : [])
-  }, [running.data, selected])
+  const highlight = useMemo(
+    () => new Set(selected == null ? [] : (nodes.data ?? []).filter((n) => n.jobs.includes(selected)).map((n) => n.name)),
+    [nodes.data, selected],
+  )
   return (
     <section>
       <h2>Cluster</h2>

@@ -14,9 +14,9 @@ export function JobsPage() {
   if (state) filters.state = [state as JobState]
   if (user.trim()) filters.user = user.trim()
   // the newest screenful first (fast), then the whole page of 1,000, refreshed
-  const full = useJobs({ ...filters, limit: JOBS_PAGE })
-  const quick = useJobs({ ...filters, limit: JOBS_FIRST }, { refetchIntervalMs: false, enabled: !full.data })
-  const jobs = full.data || !quick.data ? full : quick
+  const quick = useJobs({ ...filters, limit: JOBS_FIRST }, { refetchIntervalMs: false })
+  const full = useJobs({ ...filters, limit: JOBS_PAGE }, { enabled: quick.isFetched })
+  const jobs = (full.data && !full.isPlaceholderData) || !quick.data ? full : quick
   const items = useMemo(
     () => (jobs.data?.items ?? []).filter((j) => !priority || j.priority === priority),
     [jobs.data, priority],

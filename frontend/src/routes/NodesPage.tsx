@@ -1,9 +1,13 @@
 import { Link } from 'react-router'
-import { useNodes } from '../api/nodes'
-import { nodeUtil } from '../components/Nodes/FatTree'
+import { useNodes, type NodeRead } from '../api/nodes'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
 import { formatTime } from '../components/ui/format'
+
+function nodeUtil(n: NodeRead): number | null {
+  const u = n.gpu_metrics.map((g) => g.util_pct).filter((x): x is number => x != null)
+  return u.length ? u.reduce((a, b) => a + b, 0) / u.length : null
+}
 
 export default function NodesPage() {
   const nodes = useNodes()

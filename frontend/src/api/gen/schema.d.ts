@@ -80,6 +80,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/v1/cluster/nodes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Cluster Nodes
+         * @description Every node, lightly, for the fat-tree view (zone, leaf, state, allocation, utilisation, jobs).
+         */
+        get: operations["cluster_nodes_api_v1_cluster_nodes_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/cluster/summary": {
         parameters: {
             query?: never;
@@ -525,6 +545,33 @@ export interface components {
             path: string;
             /** Step */
             step?: number | null;
+        };
+        /** ClusterNodeRead */
+        ClusterNodeRead: {
+            /** Allocated Gpus */
+            allocated_gpus: number;
+            /** Gpus */
+            gpus: number;
+            /**
+             * Jobs
+             * @description jobs holding GPUs here
+             */
+            jobs: number[];
+            /** Leaf */
+            leaf: string;
+            /** Name */
+            name: string;
+            /** State */
+            state: string;
+            /** State Reason */
+            state_reason: string;
+            /**
+             * Util Pct
+             * @description mean GPU utilisation in the latest heartbeat
+             */
+            util_pct: number | null;
+            /** Zone */
+            zone: string;
         };
         /** ClusterSummary */
         ClusterSummary: {
@@ -1325,6 +1372,26 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["IdleAllocationRead"][];
+                };
+            };
+        };
+    };
+    cluster_nodes_api_v1_cluster_nodes_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ClusterNodeRead"][];
                 };
             };
         };

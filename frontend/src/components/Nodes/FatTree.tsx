@@ -1,12 +1,9 @@
 import { memo, useMemo } from 'react'
 import { Link } from 'react-router'
-import type { NodeRead } from '../../api/nodes'
+import type { ClusterNode } from '../../api/metrics'
 import { utilColour } from '../ui/format'
 
-export function nodeUtil(n: NodeRead): number | null {
-  const u = n.gpu_metrics.map((g) => g.util_pct).filter((x): x is number => x != null)
-  return u.length ? u.reduce((a, b) => a + b, 0) / u.length : null
-}
+type NodeRead = ClusterNode
 
 export interface Zone { name: string; leaves: { name: string; nodes: NodeRead[] }[] }
 
@@ -29,8 +26,8 @@ export function groupTree(nodes: NodeRead[]): Zone[] {
 }
 
 const NodeCell = memo(function NodeCell({ n, highlighted }: { n: NodeRead; highlighted: boolean }) {
-  const util = nodeUtil(n)
-  const title = `${n.name}: ${n.state}${n.state_reason ? ` (${n.state_reason})` : ''}, ${util == null ? 'no metrics' : `${util.toFixed(0)}% GPU util`}, ${n.gpus - n.free_gpus}/${n.gpus} GPUs allocated`
+  const util = n.util_pct ?? null
+  const title = `${n.name}: ${n.state}${n.state_reason ? ` (${n.state_reason})` : ''}, ${util == null ? 'no metrics' : `${util.toFixed(0)}% GPU util`}, ${n.allocated_gpus}/${n.gpus} GPUs allocated`
   return (
     <li>
       <Link to={`/nodes/${encodeURIComponent(n.name)}`} className={`node node-${n.state}${highlighted ? ' highlighted' : ''}`}
