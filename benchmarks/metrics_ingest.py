@@ -62,7 +62,10 @@ def _seed(sessions, nodes: int, gpus: int) -> list[str]:
     names = [f"n{i:04d}" for i in range(nodes)]
     with sessions() as s:
         s.add(User(id=1, name="bench", group="bench"))
-        s.add_all(Node(name=n, zone="A" if i < nodes // 2 else "B", leaf=f"L{i // 20:02d}", gpus=gpus)
+        s.add_all(Node(name=n, zone="A" if i < nodes // 2 else "B", leaf=f"L{i // 20:02d}", gpus=gpus,
+                       gpu_metrics=[{"index": g, "uuid": f"GPU-{n}-{g}", "util_pct": 50.0, "memory_used_mib": 1000,
+                                     "memory_total_mib": 40960, "temperature_c": 50.0, "power_w": 200.0,
+                                     "ecc_uncorrected": 0} for g in range(gpus)])  # as the heartbeat leaves them
                   for i, n in enumerate(names))
         s.flush()
         jid = 0
@@ -185,6 +188,7 @@ def main() -> None:
                                                                     now=now, settings=settings),
                 "cluster_summary_ms": lambda: metrics_store.cluster_summary(session=s, settings=settings),
                 "idle_allocations_ms": lambda: metrics_store.idle_allocations(session=s, now=now, settings=settings),
+                "cluster_nodes_ms": lambda: metrics_store.cluster_nodes(session=s),
             }.items():
                 fn()
                 samples = []
@@ -218,6 +222,9 @@ def main() -> None:
             "db_steady_state_fine_gb": round((written["gpu_samples"] + written["rollups_fine"]) / 1e9 * cfg.fine_retention_h / 24, 3),
             "db_growth_per_day_after_retention_gb": round(written["rollups_coarse"] / 1e9, 3),
             "reads": timings, "cluster_week_points": week_points,
+            "cluster_page_week_data_ms": round(sum(timings[k] for k in (
+                "cluster_week_series_ms", "cluster_summary_ms", "idle_allocations_ms", "cluster_nodes_ms")), 2),
+            "load_average": os.getloadavg()[0],
             "postgres": engine.dialect.server_version_info,
         }
     finally:
