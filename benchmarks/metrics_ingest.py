@@ -188,7 +188,7 @@ def main() -> None:
                                                                     now=now, settings=settings),
                 "cluster_summary_ms": lambda: metrics_store.cluster_summary(session=s, settings=settings),
                 "idle_allocations_ms": lambda: metrics_store.idle_allocations(session=s, now=now, settings=settings),
-                "cluster_nodes_ms": lambda: metrics_store.cluster_nodes(session=s),
+                "cluster_nodes_ms": lambda: metrics_store.cluster_nodes(session=s, settings=settings),
             }.items():
                 fn()
                 samples = []

@@ -32,9 +32,9 @@ def cluster_summary(session: SessionDep, platform: PlatformDep, _user: CurrentUs
 
 
 @router.get("/cluster/nodes", response_model=list[m.ClusterNodeRead])
-def cluster_nodes(session: SessionDep, _user: CurrentUser) -> list[m.ClusterNodeRead]:
+def cluster_nodes(session: SessionDep, platform: PlatformDep, _user: CurrentUser) -> list[m.ClusterNodeRead]:
     """Every node, lightly, for the fat-tree view (zone, leaf, state, allocation, utilisation, jobs)."""
-    return [m.ClusterNodeRead(**asdict(n)) for n in metrics_store.cluster_nodes(session=session)]
+    return [m.ClusterNodeRead(**asdict(n)) for n in metrics_store.cluster_nodes(session=session, settings=platform.settings)]
 
 
 @router.get("/cluster/utilisation", response_model=m.MetricSeries)

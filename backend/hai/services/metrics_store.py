@@ -18,10 +18,10 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Iterable, Sequence
 
-from sqlalchemy import Engine, delete, func, insert, select
+from sqlalchemy import Engine, delete, func, insert, select, text
 from sqlalchemy.orm import Session
 
 from hai.db.models import GpuSample, GpuStatus, Job, JobAllocation, MetricRollup
@@ -385,14 +385,16 @@ def idle_allocations(*, session: Session, now: datetime, settings: Settings) -> 
         select(JobAllocation.job_id, Job.name, Job.user_name, JobAllocation.node_name, JobAllocation.gpus,
                JobAllocation.created_at)
         .join(Job, Job.id == JobAllocation.job_id)
-        .where(JobAllocation.active.is_(True), Job.state == "running")
+        .where(JobAllocation.active.is_(True), Job.state == "running",
+               JobAllocation.created_at <= datetime.fromtimestamp(now_s - cfg.idle_after_s, timezone.utc))
     ).all()
     if not rows:
         return []
-    status = {  # one GPU a row: a plain scan beats an IN list of every node at cluster scale
+    status = {  # only GPUs not busy for idle_after_s can qualify; no IN list of every node
         (n, g): (seen, busy)
         for n, g, seen, busy in session.execute(
             select(GpuStatus.node_name, GpuStatus.gpu_index, GpuStatus.last_seen_at, GpuStatus.last_busy_at)
+            .where(GpuStatus.last_busy_at <= now_s - cfg.idle_after_s)
         )
     }
     out = []
@@ -413,6 +415,21 @@ def idle_allocations(*, session: Session, now: datetime, settings: Settings) -> 
     return out
 
 
+def _node_gpu_stats(session: Session, busy_at: float) -> dict[str, tuple[float | None, int]]:
+    """Per node, from the latest heartbeat's GPU figures: (mean utilisation, GPUs at or above
+    ``busy_at``), computed by the database's JSON functions (no blobs parsed in Python)."""
+    if session.get_bind().dialect.name == "postgresql":
+        sql = ("SELECT n.name, avg((e->>'util_pct')::float), count(*) FILTER (WHERE (e->>'util_pct')::float >= :t) "
+               "FROM nodes n CROSS JOIN LATERAL json_array_elements(CASE WHEN json_typeof(n.gpu_metrics) = 'array' "
+               "THEN n.gpu_metrics ELSE '[]'::json END) e GROUP BY n.name")
+    else:
+        sql = ("SELECT n.name, avg(json_extract(e.value, '$.util_pct')), "
+               "sum(CASE WHEN json_extract(e.value, '$.util_pct') >= :t THEN 1 ELSE 0 END) "
+               "FROM nodes n, json_each(n.gpu_metrics) e WHERE json_type(n.gpu_metrics) = 'array' GROUP BY n.name")
+    return {name: (float(avg) if avg is not None else None, int(busy or 0))
+            for name, avg, busy in session.execute(text(sql), {"t": busy_at})}
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterSummary:
     gpus: int
@@ -425,11 +442,8 @@ class ClusterSummary:
 def cluster_summary(*, session: Session, settings: Settings) -> ClusterSummary:
     from hai.db.models import Node
 
-    threshold = settings.metrics.busy_util_pct
-    gpus = busy = 0
-    for count, metrics in session.execute(select(Node.gpus, Node.gpu_metrics)):
-        gpus += count or 0
-        busy += sum(1 for g in metrics or () if (g.get("util_pct") or 0.0) >= threshold)
+    gpus = int(session.scalar(select(func.coalesce(func.sum(Node.gpus), 0))) or 0)
+    busy = sum(b for _u, b in _node_gpu_stats(session, settings.metrics.busy_util_pct).values())
     allocated = sum(len(g or ()) for g in session.scalars(select(JobAllocation.gpus).where(JobAllocation.active.is_(True))))
     queued = {p: int(c) for p, c in session.execute(
         select(Job.priority, func.count()).where(Job.state == "queued").group_by(Job.priority))}
@@ -451,9 +465,11 @@ class ClusterNode:
     jobs: list[int]
 
 
-def cluster_nodes(*, session: Session) -> list[ClusterNode]:
+def cluster_nodes(*, session: Session, settings: Settings) -> list[ClusterNode]:
     """Every node as the fat-tree view draws it: one light row each (no inventories)."""
     from hai.db.models import Node
+
+    stats = _node_gpu_stats(session, settings.metrics.busy_util_pct)
 
     held: dict[str, int] = defaultdict(int)
     jobs: dict[str, set[int]] = defaultdict(set)
@@ -463,12 +479,11 @@ def cluster_nodes(*, session: Session) -> list[ClusterNode]:
         held[node] += len(gpus or ())
         jobs[node].add(job_id)
     out = []
-    for name, zone, leaf, state, reason, gpus, metrics in session.execute(
-        select(Node.name, Node.zone, Node.leaf, Node.state, Node.state_reason, Node.gpus, Node.gpu_metrics)
+    for name, zone, leaf, state, reason, gpus in session.execute(
+        select(Node.name, Node.zone, Node.leaf, Node.state, Node.state_reason, Node.gpus)
         .order_by(Node.zone, Node.leaf, Node.name)
     ):
-        utils = [g["util_pct"] for g in metrics or () if g.get("util_pct") is not None]
         out.append(ClusterNode(name=name, zone=zone, leaf=leaf, state=state, state_reason=reason, gpus=gpus,
-                               allocated_gpus=held.get(name, 0), util_pct=sum(utils) / len(utils) if utils else None,
+                               allocated_gpus=held.get(name, 0), util_pct=stats.get(name, (None, 0))[0],
                                jobs=sorted(jobs.get(name, ()))))
     return out
