@@ -1,15 +1,16 @@
-import { lazy, Suspense } from 'react'
+import { Suspense } from 'react'
 import { Navigate, Route, Routes } from 'react-router'
 import { Layout } from './components/Layout/Layout'
+import ClusterPage from './routes/ClusterPage'
+import JobPage from './routes/JobPage'
 import { JobsPage } from './routes/JobsPage'
+import NodePage from './routes/NodePage'
+import NodesPage from './routes/NodesPage'
+import SubmitPage from './routes/SubmitPage'
+import UsagePage from './routes/UsagePage'
 
-// the pages with charts load their code on first visit
-const JobPage = lazy(() => import('./routes/JobPage'))
-const SubmitPage = lazy(() => import('./routes/SubmitPage'))
-const ClusterPage = lazy(() => import('./routes/ClusterPage'))
-const NodesPage = lazy(() => import('./routes/NodesPage'))
-const NodePage = lazy(() => import('./routes/NodePage'))
-const UsagePage = lazy(() => import('./routes/UsagePage'))
+// pages are small and load with the app (no waterfall on a deep link); the charting code
+// (uPlot) loads on first use (components/ui/Chart)
 
 export function App() {
   return (

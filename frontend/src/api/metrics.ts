@@ -25,16 +25,18 @@ export function useClusterSummary() {
   })
 }
 
-export function useClusterUtilisation(window: Window) {
+export function useClusterUtilisation(window: Window, enabled = true) {
   return useQuery({
+    enabled,
     queryKey: metricKeys.cluster(window),
     queryFn: async ({ signal }) => unwrap(await api.GET('/api/v1/cluster/utilisation', { params: { query: { window } }, signal })),
     refetchInterval: 15_000,
   })
 }
 
-export function useIdleAllocations() {
+export function useIdleAllocations(enabled = true) {
   return useQuery({
+    enabled,
     queryKey: metricKeys.idle(),
     queryFn: async ({ signal }) => unwrap(await api.GET('/api/v1/cluster/idle-allocations', { signal })),
     refetchInterval: 15_000,

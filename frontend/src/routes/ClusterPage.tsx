@@ -4,7 +4,7 @@ import { useJobs } from '../api/jobs'
 import { useClusterNodes, useClusterSummary, useClusterUtilisation, useIdleAllocations, type Window } from '../api/metrics'
 import { FatTree } from '../components/Nodes/FatTree'
 import { QueryStatus } from '../components/ui/QueryStatus'
-import { TimeChart } from '../components/ui/TimeChart'
+import { Chart as TimeChart } from '../components/ui/Chart'
 import { formatDuration } from '../components/ui/format'
 
 function Totals() {
@@ -26,9 +26,9 @@ function Totals() {
 
 const WINDOW_S: Record<Window, number> = { hour: 3600, day: 86400, week: 7 * 86400 }
 
-function Utilisation() {
+function Utilisation({ ready }: { ready: boolean }) {
   const [w, setW] = useState<Window>('hour')
-  const q = useClusterUtilisation(w)
+  const q = useClusterUtilisation(w, ready)
   const data = useMemo(() => {
     const pts = q.data?.points ?? []
     const now = Math.floor(Date.now() / 1000)
@@ -53,8 +53,8 @@ function Utilisation() {
   )
 }
 
-function IdleAllocated({ onSelect }: { onSelect: (id: number) => void }) {
-  const q = useIdleAllocations()
+function IdleAllocated({ onSelect, ready }: { onSelect: (id: number) => void; ready: boolean }) {
+  const q = useIdleAllocations(ready)
   return (
     <section aria-label="Idle allocated GPUs">
       <h3>Idle allocated GPUs</h3>
@@ -90,8 +90,8 @@ export default function ClusterPage() {
     <section>
       <h2>Cluster</h2>
       <Totals />
-      <Utilisation />
-      <IdleAllocated onSelect={setSelected} />
+      <Utilisation ready={nodes.isSuccess} />
+      <IdleAllocated onSelect={setSelected} ready={nodes.isSuccess} />
       <h3>Fat-tree</h3>
       <div className="filters">
         <label>Highlight job{' '}

@@ -5,7 +5,7 @@ import { useJob, useJobAction, useJobMetrics, type JobRead } from '../api/jobs'
 import { LogView } from '../components/Jobs/LogView'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
-import { TimeChart } from '../components/ui/TimeChart'
+import { Chart as TimeChart } from '../components/ui/Chart'
 import { formatDuration, formatTime, secondsBetween } from '../components/ui/format'
 
 const TERMINAL = new Set(['succeeded', 'failed', 'cancelled'])

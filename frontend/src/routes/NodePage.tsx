@@ -7,7 +7,7 @@ import { failedChecks, useNode, useNodeAction, useNodeValidations, type Validati
 import { useNodes } from '../api/nodes'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
-import { TimeChart } from '../components/ui/TimeChart'
+import { Chart as TimeChart } from '../components/ui/Chart'
 import { formatTime } from '../components/ui/format'
 
 /** The node exists (it is in the list) but the server has no such endpoint. */
