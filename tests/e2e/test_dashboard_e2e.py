@@ -180,6 +180,7 @@ def test_a_non_admin_sees_no_drain_button(dash, request):
         assert page.get_by_role("button", name="Drain").count() == 0
         assert page.get_by_role("button", name="Undrain").count() == 0
         assert page.get_by_role("button", name="Validate now").count() == 0
+        page.locator("figure.chart canvas").first.wait_for()  # the GPU chart (uPlot loads with it)
         shot(page, "node-as-non-admin")
         page.get_by_role("button", name="Sign out").click()
         page.get_by_label("API token").wait_for()

@@ -42,7 +42,7 @@ export function JobsPage() {
           <span className="muted" role="status">
             {jobs.data.total > jobs.data.items.length
               ? `newest ${jobs.data.items.length.toLocaleString()} of ${jobs.data.total.toLocaleString()} jobs (narrow with the filters)`
-              : `${items.length.toLocaleString()} jobs`}
+              : `${items.length.toLocaleString()} job${items.length === 1 ? '' : 's'}`}
           </span>
         )}
       </div>
