@@ -20,7 +20,6 @@ import gzip
 import json
 import os
 import random
-import re
 import socket
 import statistics
 import subprocess
