@@ -6,9 +6,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.staticfiles import StaticFiles
 
-from hai.api import agent, errors, health, jobs, metrics, nodes, users
+from hai.api import agent, errors, health, jobs, metrics, nodes, telemetry, users
+from hai.api.spa import SpaStaticFiles
 from hai.services.context import Platform
 from hai.settings import Settings, get_settings
 
@@ -38,11 +38,11 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     )
     app.state.platform = platform
     errors.install(app)
-    for module in (health, jobs, nodes, users, agent, metrics):
+    for module in (health, jobs, nodes, users, agent, metrics, telemetry):
         app.include_router(module.router)
     app.include_router(nodes.validations_router)  # issue 10: GET /api/v1/validations/{id}
 
     dist = (platform.settings if platform else (settings or get_settings())).frontend_dist or default_frontend_dist()
     if dist.is_dir() and (dist / "index.html").exists():
-        app.mount("/", StaticFiles(directory=dist, html=True), name="dashboard")
+        app.mount("/", SpaStaticFiles(directory=dist, html=True), name="dashboard")
     return app

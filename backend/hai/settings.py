@@ -81,6 +81,20 @@ class AuthSettings(BaseModel):
     bootstrap_agent_token: str = ""
 
 
+class MetricsSettings(BaseModel):
+    """GPU metrics over time (HAI_METRICS__*): per-GPU buckets of ``fine_s`` kept
+    ``fine_retention_h``; per-node/job/cluster rollups at ``fine_s`` (same retention) and
+    ``coarse_s`` (kept ``coarse_retention_days``)."""
+
+    fine_s: int = Field(default=120, gt=0)
+    coarse_s: int = Field(default=900, gt=0)
+    flush_interval_s: float = Field(default=10.0, ge=0, description="buffered samples are written this often")
+    fine_retention_h: float = Field(default=48.0, gt=0)
+    coarse_retention_days: float = Field(default=400.0, gt=0)
+    busy_util_pct: float = Field(default=5.0, ge=0, le=100, description="a GPU at or above this is busy")
+    idle_after_s: float = Field(default=600.0, ge=0, description="an allocated GPU idle this long is listed")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HAI_", env_nested_delimiter="__", extra="ignore")
 
@@ -92,6 +106,7 @@ class Settings(BaseSettings):
     agent: AgentSettings = AgentSettings()
     auth: AuthSettings = AuthSettings()
     validation: ValidationSettings = ValidationSettings()
+    metrics: MetricsSettings = MetricsSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

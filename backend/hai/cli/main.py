@@ -11,11 +11,13 @@ from typing import Annotated
 import typer
 
 from hai.cli import client
+from hai.cli import usage as usage_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="HAI platform: GPU-cluster job scheduling")
 admin_app = typer.Typer(no_args_is_help=True, help="administration (talks to the database directly)")
 app.add_typer(admin_app, name="admin")
 client.register(app)
+usage_cli.register(app)
 
 
 def _logging(level: str = "INFO") -> None:

@@ -21,7 +21,7 @@ from hai.db.base import utcnow
 from hai.db.models import Node
 from hai.domain.nodes import NodeState
 from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, Heartbeat, ServerReply
-from hai.services import node_health, notify, reports
+from hai.services import metrics_store, node_health, notify, reports
 from hai.services.assignments import active_allocations, assigned, assignments_for, digest
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit
@@ -84,6 +84,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
     node.last_heartbeat_at = now
     if hb.gpus:
         node.gpu_metrics = [g.model_dump() for g in hb.gpus]
+    metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     allocs = active_allocations(session, node.name)
     reported = reports.apply_reports(session, allocs, hb.attempts, now=now)
     held = assigned(allocs, settings)

@@ -29,6 +29,7 @@ class HaiCelery(Celery):
                 "reap-lost-nodes": {"task": "hai.tasks.reap_lost_nodes", "schedule": 10.0},
                 "prune-logs": {"task": "hai.tasks.prune_logs", "schedule": 3600.0},
                 "validate-nodes": {"task": "hai.tasks.validate_nodes", "schedule": settings.validation.full_every_s},
+                "prune-metrics": {"task": "hai.tasks.prune_metrics", "schedule": 3600.0},
             },
         )
 
@@ -74,3 +75,13 @@ def prune_logs(retention_days: int | None = None) -> int:
     days = retention_days if retention_days is not None else platform.settings.log_retention_days
     with platform.sessions() as session:
         return prune_finished_job_logs(session=session, older_than=timedelta(days=days))
+
+
+@app.task(name="hai.tasks.prune_metrics")
+def prune_metrics() -> int:
+    from hai.db.base import utcnow
+    from hai.services.metrics_store import prune
+
+    platform = _platform()
+    with platform.sessions() as session:
+        return prune(session=session, settings=platform.settings, now=utcnow())

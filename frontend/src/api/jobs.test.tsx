@@ -1,48 +1,27 @@
 import { QueryClientProvider } from '@tanstack/react-query'
-import { render, renderHook, screen, waitFor } from '@testing-library/react'
+import { fireEvent, render, renderHook, screen, waitFor } from '@testing-library/react'
 import type { ReactNode } from 'react'
+import { MemoryRouter } from 'react-router'
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest'
-import { Dashboard } from '../routes/Dashboard'
+import { App } from '../App'
+import { JobsTable } from '../components/Jobs/JobsTable'
+import { groupTree } from '../components/Nodes/FatTree'
+import { parseEnv, splitCommand } from '../components/ui/format'
+import type { ClusterNode } from './metrics'
 import { ApiError } from './client'
-import { jobKeys, useJobs, type JobList, type JobRead } from './jobs'
+import { fieldErrors, jobKeys, useJobs, type JobList, type JobRead } from './jobs'
 import { createQueryClient } from './queryClient'
 import { setToken } from './token'
+import { timelineLabel } from '../routes/JobPage'
 
 function job(overrides: Partial<JobRead> = {}): JobRead {
   return {
-    id: 7,
-    name: 'train-llm',
-    user: 'alice',
-    group: 'research',
-    state: 'running',
-    priority: 'HIGH',
-    submitted_priority: 'HIGH',
-    nodes: 2,
-    gpus_per_node: 8,
-    job_type: 'torch',
-    command: ['python', 'train.py'],
-    env: {},
-    tags: [],
-    allow_cross_zone: false,
-    max_runtime_s: null,
-    suspend_grace_s: 60,
-    log_watchdog_s: null,
-    created_at: '2026-01-01T00:00:00Z',
-    started_at: '2026-01-01T00:00:05Z',
-    finished_at: null,
-    exit_code: null,
-    failure_reason: null,
-    attempt: 1,
-    suspensions: 0,
-    restarts: 0,
-    held: false,
-    placement: [],
-    placement_reason: null,
-    pending_reason: null,
-    last_checkpoint: null,
-    progress: null,
-    lost_gpu_s: 0,
-    events: [],
+    id: 7, name: 'train-llm', user: 'alice', group: 'research', state: 'running', priority: 'HIGH',
+    submitted_priority: 'HIGH', nodes: 2, gpus_per_node: 8, job_type: 'torch', command: ['python', 'train.py'],
+    env: {}, tags: [], allow_cross_zone: false, max_runtime_s: null, suspend_grace_s: 60, log_watchdog_s: null,
+    created_at: '2026-01-01T00:00:00Z', started_at: '2026-01-01T00:00:05Z', finished_at: null, exit_code: null,
+    failure_reason: null, attempt: 1, suspensions: 0, restarts: 0, held: false, placement: [], placement_reason: null,
+    pending_reason: null, last_checkpoint: null, progress: null, lost_gpu_s: 0, events: [],
     ...overrides,
   }
 }
@@ -57,88 +36,131 @@ function wrapper({ children }: { children: ReactNode }) {
   return <QueryClientProvider client={createQueryClient()}>{children}</QueryClientProvider>
 }
 
+function renderApp(path: string) {
+  return render(
+    <QueryClientProvider client={createQueryClient()}>
+      <MemoryRouter initialEntries={[path]}><App /></MemoryRouter>
+    </QueryClientProvider>,
+  )
+}
+
+/** A fetch stub answering by path. */
+function routes(table: Record<string, (req: Request) => Response>) {
+  return vi.spyOn(globalThis, 'fetch').mockImplementation(async (input: RequestInfo | URL, init?: RequestInit) => {
+    const req = input instanceof Request ? input : new Request(new URL(String(input), 'http://x'), init)
+    const path = new URL(req.url, 'http://x').pathname
+    const handler = table[path]
+    return handler ? handler(req) : json({ detail: 'not found' }, 404)
+  })
+}
+
 describe('useJobs', () => {
-  const fetchMock = vi.fn<typeof fetch>()
+  beforeEach(() => setToken('secret-token'))
 
-  beforeEach(() => {
-    vi.stubGlobal('fetch', fetchMock)
-    fetchMock.mockReset()
-    setToken('tok-123')
-  })
-  afterEach(() => {
-    vi.unstubAllGlobals()
-    setToken('')
-  })
-
-  it('fetches /api/v1/jobs with the bearer token and query params', async () => {
-    fetchMock.mockResolvedValue(json(JOBS))
-
-    const { result } = renderHook(() => useJobs({ state: ['running', 'starting'], limit: 10 }, { refetchIntervalMs: false }), {
-      wrapper,
-    })
-
+  it('sends the bearer token and the filters, and returns the list', async () => {
+    const fetch = routes({ '/api/v1/jobs': () => json(JOBS) })
+    const { result } = renderHook(() => useJobs({ state: ['running'], user: 'alice' }, { refetchIntervalMs: false }), { wrapper })
     await waitFor(() => expect(result.current.isSuccess).toBe(true))
     expect(result.current.data).toEqual(JOBS)
-    expect(fetchMock).toHaveBeenCalledTimes(1)
-    const request = fetchMock.mock.calls[0][0] as Request
-    const url = new URL(request.url)
-    expect(url.pathname).toBe('/api/v1/jobs')
-    expect(url.searchParams.getAll('state')).toEqual(['running', 'starting'])
-    expect(url.searchParams.get('limit')).toBe('10')
-    expect(request.headers.get('Authorization')).toBe('Bearer tok-123')
+    const req = fetch.mock.calls[0][0] as Request
+    expect(req.headers.get('Authorization')).toBe('Bearer secret-token')
+    const url = new URL(req.url)
+    expect(url.searchParams.getAll('state')).toEqual(['running'])
+    expect(url.searchParams.get('user')).toBe('alice')
   })
 
-  it('surfaces a 401 as an ApiError without retrying', async () => {
-    fetchMock.mockResolvedValue(json({ detail: 'invalid token' }, 401))
-
+  it('surfaces an error response as an ApiError with the status and does not retry a 401', async () => {
+    const fetch = routes({ '/api/v1/jobs': () => json({ detail: 'invalid token' }, 401) })
     const { result } = renderHook(() => useJobs({}, { refetchIntervalMs: false }), { wrapper })
-
     await waitFor(() => expect(result.current.isError).toBe(true))
     expect(result.current.error).toBeInstanceOf(ApiError)
     expect((result.current.error as ApiError).status).toBe(401)
-    expect(result.current.error?.message).toBe('401: invalid token')
-    expect(fetchMock).toHaveBeenCalledTimes(1)
+    expect(fetch).toHaveBeenCalledTimes(1)
   })
 
   it('keys lists by their parameters', () => {
-    expect(jobKeys.list({ state: ['queued'] })).toEqual(['jobs', 'list', { state: ['queued'] }])
     expect(jobKeys.list({ state: ['queued'] })).not.toEqual(jobKeys.list({ state: ['running'] }))
   })
 })
 
-describe('Dashboard', () => {
-  beforeEach(() => setToken('tok-123'))
-  afterEach(() => {
-    vi.unstubAllGlobals()
-    setToken('')
+describe('sign in', () => {
+  afterEach(() => vi.restoreAllMocks())
+
+  it('says so when the token is wrong and keeps it out of storage', async () => {
+    routes({ '/api/v1/me': () => json({ detail: 'invalid token' }, 401) })
+    renderApp('/jobs')
+    fireEvent.change(screen.getByLabelText('API token'), { target: { value: 'wrong' } })
+    fireEvent.click(screen.getByRole('button', { name: 'Sign in' }))
+    expect((await screen.findByRole('alert')).textContent).toContain('not accepted')
+    expect(window.localStorage.getItem('hai.token')).toBeNull()
   })
 
-  it('renders the jobs and nodes tables from the API', async () => {
-    vi.stubGlobal(
-      'fetch',
-      vi.fn<typeof fetch>(async (input) => {
-        const path = new URL((input as Request).url).pathname
-        if (path === '/api/v1/jobs') return json(JOBS)
-        if (path === '/api/v1/nodes')
-          return json([{ name: 'gpu-a1-01', zone: 'A', leaf: 'A1', gpus: 8, free_gpus: 0, state: 'ready', state_reason: '', running_jobs: [7] }])
-        return json({ detail: 'not found' }, 404)
-      }),
-    )
-
-    render(<Dashboard />, { wrapper })
-
-    expect(await screen.findByText('train-llm')).toBeTruthy()
-    expect(await screen.findByText('gpu-a1-01')).toBeTruthy()
-    expect(screen.getByText('2 × 8')).toBeTruthy()
-    expect(screen.getByText('0 / 8')).toBeTruthy()
+  it('shows the navigation and Sign out once signed in', async () => {
+    routes({ '/api/v1/me': () => json({ name: 'alice', group: 'vision', is_admin: false }), '/api/v1/jobs': () => json(JOBS) })
+    renderApp('/jobs')
+    fireEvent.change(screen.getByLabelText('API token'), { target: { value: 'good' } })
+    fireEvent.click(screen.getByRole('button', { name: 'Sign in' }))
+    for (const name of ['Jobs', 'Submit', 'Cluster', 'Nodes', 'Usage']) expect(await screen.findByRole('link', { name })).toBeTruthy()
+    expect(screen.getByRole('button', { name: 'Sign out' })).toBeTruthy()
+    expect((await screen.findByRole('link', { name: 'train-llm' })).getAttribute('href')).toBe('/jobs/7')
   })
+})
 
-  it('asks for a token when none is stored, and calls nothing', () => {
-    setToken('')
-    const fetchMock = vi.fn<typeof fetch>()
-    vi.stubGlobal('fetch', fetchMock)
-    render(<Dashboard />, { wrapper })
-    expect(screen.getByText(/Enter an API token/)).toBeTruthy()
-    expect(fetchMock).not.toHaveBeenCalled()
+describe('jobs table', () => {
+  it('renders only a window of 10,000 rows and sorts by a column', async () => {
+    const many = Array.from({ length: 10_000 }, (_, i) => job({ id: i + 1, name: `job-${i + 1}`, user: i % 2 ? 'bob' : 'alice' }))
+    const { container } = render(<MemoryRouter><JobsTable jobs={many} height={400} /></MemoryRouter>)
+    await waitFor(() => expect(container.querySelectorAll('tbody tr[data-job-id]').length).toBeGreaterThan(5))
+    const rows = container.querySelectorAll('tbody tr[data-job-id]')
+    expect(rows.length).toBeLessThan(100)
+    expect(rows[0].getAttribute('data-job-id')).toBe('10000') // newest first by default
+    fireEvent.click(screen.getByRole('button', { name: /^ID/ }))
+    expect(container.querySelector('tbody tr[data-job-id]')!.getAttribute('data-job-id')).toBe('1')
+  })
+})
+
+describe('submit form', () => {
+  beforeEach(() => setToken('t'))
+  afterEach(() => vi.restoreAllMocks())
+
+  it('shows the API validation error beside the field it concerns', async () => {
+    routes({
+      '/api/v1/me': () => json({ name: 'alice', group: 'vision', is_admin: false }),
+      '/api/v1/jobs': () => json({ detail: [{ loc: ['body', 'gpus_per_node'], msg: 'Input should be less than or equal to 8', type: 'x' }] }, 422),
+    })
+    renderApp('/submit')
+    fireEvent.change(await screen.findByLabelText('Name'), { target: { value: 'x' } })
+    fireEvent.change(screen.getByLabelText('Command'), { target: { value: 'echo hi' } })
+    fireEvent.change(screen.getByLabelText('GPUs per node'), { target: { value: '9' } })
+    fireEvent.click(screen.getByRole('button', { name: 'Submit' }))
+    const err = await screen.findByText('Input should be less than or equal to 8')
+    expect(err.id).toBe('f-gpus-error')
+    expect(screen.getByLabelText('GPUs per node').getAttribute('aria-invalid')).toBe('true')
+  })
+})
+
+describe('helpers', () => {
+  it('maps 422 locs to fields', () => {
+    expect(fieldErrors({ detail: [{ loc: ['body', 'env', 'A=B'], msg: 'bad' }, { loc: ['body', 'name'], msg: 'short' }] }))
+      .toEqual({ env: 'bad', name: 'short' })
+  })
+  it('splits commands and parses KEY=VALUE lines', () => {
+    expect(splitCommand(`python -c "print('a b')" x`)).toEqual(['python', '-c', "print('a b')", 'x'])
+    expect(parseEnv('A=1\n\nB=x=y')).toEqual({ env: { A: '1', B: 'x=y' } })
+    expect(parseEnv('nope')).toEqual({ error: 'line 1: expected KEY=VALUE, got "nope"' })
+  })
+  it('names timeline steps', () => {
+    expect(timelineLabel(null, 'queued', false)).toBe('queued')
+    expect(timelineLabel('running', 'suspending', false)).toBe('suspend requested')
+    expect(timelineLabel('suspending', 'queued', false)).toBe('suspended')
+    expect(timelineLabel('queued', 'starting', true)).toBe('resumed')
+    expect(timelineLabel('running', 'cancelled', true)).toBe('finished (cancelled)')
+  })
+  it('groups nodes by zone and leaf in natural order', () => {
+    const n = (name: string, zone: string, leaf: string) => ({ name, zone, leaf }) as ClusterNode
+    const tree = groupTree([n('n10', 'B', 'L2'), n('n2', 'A', 'L10'), n('n1', 'A', 'L2')])
+    expect(tree.map((z) => [z.name, z.leaves.map((l) => [l.name, l.nodes.map((x) => x.name)])])).toEqual([
+      ['A', [['L2', ['n1']], ['L10', ['n2']]]], ['B', [['L2', ['n10']]]],
+    ])
   })
 })

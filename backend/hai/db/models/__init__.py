@@ -277,7 +277,9 @@ class UserUsage(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+from hai.db.models.metrics import GpuSample, GpuStatus, MetricRollup  # noqa: E402
+
 __all__ = [
-    "ApiToken", "Base", "Job", "JobAllocation", "JobEvent", "LogLine", "Node", "NodeEvent", "Quota", "User",
-    "UserUsage", "ValidationCheck", "ValidationRun",
+    "ApiToken", "Base", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
+    "NodeEvent", "Quota", "User", "UserUsage", "ValidationCheck", "ValidationRun",
 ]

@@ -59,6 +59,81 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/v1/cluster/idle-allocations": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Idle Allocations
+         * @description Allocated GPUs of running jobs that sat below the busy threshold for at least
+         *     HAI_METRICS__IDLE_AFTER_S, longest idle first.
+         */
+        get: operations["idle_allocations_api_v1_cluster_idle_allocations_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/cluster/nodes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Cluster Nodes
+         * @description Every node, lightly, for the fat-tree view (zone, leaf, state, allocation, utilisation, jobs).
+         */
+        get: operations["cluster_nodes_api_v1_cluster_nodes_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/cluster/summary": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Cluster Summary */
+        get: operations["cluster_summary_api_v1_cluster_summary_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/cluster/utilisation": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Cluster Utilisation */
+        get: operations["cluster_utilisation_api_v1_cluster_utilisation_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/jobs": {
         parameters: {
             query?: never;
@@ -124,6 +199,23 @@ export interface paths {
          *     ``follow=true`` streams server-sent events (``log`` per line, ``end`` with the final state).
          */
         get: operations["logs_api_v1_jobs__job_id__logs_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/jobs/{job_id}/metrics": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Job Metrics */
+        get: operations["job_metrics_api_v1_jobs__job_id__metrics_get"];
         put?: never;
         post?: never;
         delete?: never;
@@ -240,6 +332,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/v1/nodes/{name}/metrics": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Node Metrics */
+        get: operations["node_metrics_api_v1_nodes__name__metrics_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/nodes/{name}/undrain": {
         parameters: {
             query?: never;
@@ -349,6 +458,46 @@ export interface paths {
         post?: never;
         /** Revoke Token */
         delete: operations["revoke_token_api_v1_tokens__token_id__delete"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/usage": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Get Usage
+         * @description GPU-hours per user or group within [since, until), from what the jobs' allocations held.
+         */
+        get: operations["get_usage_api_v1_usage_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/api/v1/usage/quotas": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Get Quota Use
+         * @description Each quota and the GPUs its jobs hold now.
+         */
+        get: operations["get_quota_use_api_v1_usage_quotas_get"];
+        put?: never;
+        post?: never;
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -565,6 +714,48 @@ export interface components {
         ChecksFailedError: {
             detail: components["schemas"]["ChecksFailedDetail"];
         };
+        /** ClusterNodeRead */
+        ClusterNodeRead: {
+            /** Allocated Gpus */
+            allocated_gpus: number;
+            /** Gpus */
+            gpus: number;
+            /**
+             * Jobs
+             * @description jobs holding GPUs here
+             */
+            jobs: number[];
+            /** Leaf */
+            leaf: string;
+            /** Name */
+            name: string;
+            /** State */
+            state: string;
+            /** State Reason */
+            state_reason: string;
+            /**
+             * Util Pct
+             * @description mean GPU utilisation in the latest heartbeat
+             */
+            util_pct: number | null;
+            /** Zone */
+            zone: string;
+        };
+        /** ClusterSummary */
+        ClusterSummary: {
+            /** Allocated Gpus */
+            allocated_gpus: number;
+            /** Busy Gpus */
+            busy_gpus: number;
+            /** Gpus */
+            gpus: number;
+            /** Queued By Priority */
+            queued_by_priority: {
+                [key: string]: number;
+            };
+            /** Running Jobs */
+            running_jobs: number;
+        };
         /**
          * DesiredAction
          * @description What the server wants done with an attempt (``Assignment.action``, ``Job.desired_action``).
@@ -596,6 +787,13 @@ export interface components {
             numa_node?: number | null;
             /** Uuid */
             uuid: string;
+        };
+        /** GpuMetricSeries */
+        GpuMetricSeries: {
+            /** Index */
+            index: number;
+            /** Points */
+            points: components["schemas"]["MetricPoint"][];
         };
         /** GpuMetrics */
         GpuMetrics: {
@@ -687,6 +885,21 @@ export interface components {
              */
             wait_s: number;
         };
+        /** IdleAllocationRead */
+        IdleAllocationRead: {
+            /** Gpus */
+            gpus: number[];
+            /** Idle S */
+            idle_s: number;
+            /** Job Id */
+            job_id: number;
+            /** Job Name */
+            job_name: string;
+            /** Node */
+            node: string;
+            /** User */
+            user: string;
+        };
         /** JobCreate */
         JobCreate: {
             /**
@@ -752,6 +965,23 @@ export interface components {
             items: components["schemas"]["JobRead"][];
             /** Total */
             total: number;
+        };
+        /** JobMetrics */
+        JobMetrics: {
+            /**
+             * Busy Pct
+             * @description busy vs allocated: share of the job's GPU samples that were busy
+             */
+            busy_pct: number | null;
+            /** Busy Samples */
+            busy_samples: number;
+            /** Gpu Samples */
+            gpu_samples: number;
+            /** Job Id */
+            job_id: number;
+            series: components["schemas"]["MetricSeries"];
+            /** Util Avg Pct */
+            util_avg_pct: number | null;
         };
         /** JobRead */
         JobRead: {
@@ -923,6 +1153,34 @@ export interface components {
             /** Ts */
             ts: number;
         };
+        /** MetricPoint */
+        MetricPoint: {
+            /** Busy Pct */
+            busy_pct: number;
+            /** Mem Used Avg Mib */
+            mem_used_avg_mib: number;
+            /** Power Avg W */
+            power_avg_w: number;
+            /**
+             * T
+             * @description bucket start, epoch seconds
+             */
+            t: number;
+            /** Temp Max C */
+            temp_max_c: number;
+            /** Util Avg Pct */
+            util_avg_pct: number;
+            /** Util Max Pct */
+            util_max_pct: number;
+        };
+        /** MetricSeries */
+        MetricSeries: {
+            /** Grain S */
+            grain_s: number;
+            /** Points */
+            points: components["schemas"]["MetricPoint"][];
+            window: components["schemas"]["Window"];
+        };
         /** NicInfo */
         NicInfo: {
             /** Name */
@@ -990,6 +1248,14 @@ export interface components {
             /** Reason */
             reason: string;
             to_state: components["schemas"]["NodeState"];
+        };
+        /** NodeMetrics */
+        NodeMetrics: {
+            /** Gpus */
+            gpus: components["schemas"]["GpuMetricSeries"][];
+            /** Node */
+            node: string;
+            series: components["schemas"]["MetricSeries"];
         };
         /** NodeRead */
         NodeRead: {
@@ -1097,6 +1363,19 @@ export interface components {
             /** Items */
             items: components["schemas"]["QuotaItem"][];
         };
+        /** QuotaUseRead */
+        QuotaUseRead: {
+            /** Gpus */
+            gpus: number;
+            /** Group */
+            group: string;
+            /** Priority */
+            priority: string;
+            /** Used Gpus */
+            used_gpus: number;
+            /** User */
+            user: string | null;
+        };
         /** RankStatus */
         RankStatus: {
             /** Exit Code */
@@ -1192,6 +1471,36 @@ export interface components {
             prefix: string;
             /** Revoked At */
             revoked_at: string | null;
+        };
+        /**
+         * UsageBy
+         * @enum {string}
+         */
+        UsageBy: "user" | "group";
+        /** UsageReport */
+        UsageReport: {
+            by: components["schemas"]["UsageBy"];
+            /** Rows */
+            rows: components["schemas"]["UsageRowRead"][];
+            /**
+             * Since
+             * Format: date-time
+             */
+            since: string;
+            /**
+             * Until
+             * Format: date-time
+             */
+            until: string;
+        };
+        /** UsageRowRead */
+        UsageRowRead: {
+            /** Gpu Hours */
+            gpu_hours: number;
+            /** Jobs */
+            jobs: number;
+            /** Key */
+            key: string;
         };
         /** UserRead */
         UserRead: {
@@ -1297,6 +1606,11 @@ export interface components {
             /** Trigger */
             trigger: string;
         };
+        /**
+         * Window
+         * @enum {string}
+         */
+        Window: "hour" | "day" | "week";
     };
     responses: never;
     parameters: never;
@@ -1392,6 +1706,97 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ServerReply"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    idle_allocations_api_v1_cluster_idle_allocations_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["IdleAllocationRead"][];
+                };
+            };
+        };
+    };
+    cluster_nodes_api_v1_cluster_nodes_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ClusterNodeRead"][];
+                };
+            };
+        };
+    };
+    cluster_summary_api_v1_cluster_summary_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ClusterSummary"];
+                };
+            };
+        };
+    };
+    cluster_utilisation_api_v1_cluster_utilisation_get: {
+        parameters: {
+            query?: {
+                window?: components["schemas"]["Window"];
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["MetricSeries"];
                 };
             };
             /** @description Validation Error */
@@ -1575,6 +1980,39 @@ export interface operations {
             };
         };
     };
+    job_metrics_api_v1_jobs__job_id__metrics_get: {
+        parameters: {
+            query?: {
+                window?: components["schemas"]["Window"];
+            };
+            header?: never;
+            path: {
+                job_id: number;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobMetrics"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
     resume_api_v1_jobs__job_id__resume_post: {
         parameters: {
             query?: never;
@@ -1730,6 +2168,39 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["NodeDetail"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    node_metrics_api_v1_nodes__name__metrics_get: {
+        parameters: {
+            query?: {
+                window?: components["schemas"]["Window"];
+            };
+            header?: never;
+            path: {
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["NodeMetrics"];
                 };
             };
             /** @description Validation Error */
@@ -1988,6 +2459,61 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    get_usage_api_v1_usage_get: {
+        parameters: {
+            query?: {
+                by?: components["schemas"]["UsageBy"];
+                /** @description start (ISO date or time; default 7 days ago) */
+                since?: string | null;
+                /** @description end (default now) */
+                until?: string | null;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["UsageReport"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+        };
+    };
+    get_quota_use_api_v1_usage_quotas_get: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Successful Response */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["QuotaUseRead"][];
                 };
             };
         };
