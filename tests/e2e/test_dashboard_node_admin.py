@@ -27,13 +27,13 @@ def test_an_admin_drains_a_node_with_a_reason_and_undrains_it(dash, request):
         page.locator(".badge-ready").first.wait_for()
         shot(page, "node-ready")
         page.get_by_label("Reason").fill("replacing a fan (ticket 42)")
-        page.get_by_role("button", name="Drain").click()
+        page.get_by_role("button", name="Drain", exact=True).click()
         page.locator(".badge-drained").first.wait_for(timeout=60_000)
         page.get_by_text("replacing a fan (ticket 42)").first.wait_for()
         with dash.client() as c:
             got = c.get(f"/api/v1/nodes/{node}").json()
         assert got["state"] == "drained" and "replacing a fan" in got["state_reason"]
-        assert page.get_by_role("button", name="Drain").count() == 0
+        assert page.get_by_role("button", name="Drain", exact=True).count() == 0
         shot(page, "node-drained")
         page.get_by_role("button", name="Undrain").click()
         wait_for(lambda: dash.client().get(f"/api/v1/nodes/{node}").json()["state"] == "ready", timeout=120,
