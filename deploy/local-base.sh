@@ -5,6 +5,9 @@
 # ships Node 18 and the dashboard needs >= 20.19, so node and npm come from this machine's own
 # installation: /usr/bin/node and /usr/lib/node_modules/npm).
 #
+# Both carry this machine's CA bundle (/etc/ssl/certs/ca-certificates.crt), so that npm and pip
+# in the build trust what this machine trusts.
+#
 # Prints two lines, `PYTHON_BASE=<image>` and `NODE_BASE=<image>`. The images are tagged with a
 # key made of this script's hash and the Node version, and reused while the key holds: the
 # debootstrap (minutes) runs once per machine; the .deb files are kept in
@@ -18,7 +21,7 @@ case "$NODE_VERSION" in
   v2[0-9].*|v[3-9][0-9].*) ;;
   *) echo "local-base.sh: needs Node >= 20 on this machine (found '${NODE_VERSION:-none}')" >&2; exit 1 ;;
 esac
-KEY=$( { cat "$0"; echo "$NODE_VERSION"; npm --version; } | sha256sum | cut -c1-12)
+KEY=$( { cat "$0"; echo "$NODE_VERSION"; npm --version; cat /etc/ssl/certs/ca-certificates.crt; } | sha256sum | cut -c1-12)
 PY_IMG=localhost/hai-base-python:bookworm-$KEY
 NODE_IMG=localhost/hai-base-node:bookworm-$KEY
 
@@ -34,6 +37,9 @@ if ! have "$PY_IMG"; then
     bookworm "$root" "$MIRROR" >&2
   chroot "$root" apt-get clean
   rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin
+  # this machine's trust store: where the network passes a TLS-inspecting proxy, npm and pip in
+  # the build reach their registries only through it
+  cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
   # python:3.11-slim has `python`; make the same true here
   ln -sf python3 "$root/usr/bin/python"
   tar -C "$root" -cf "$root.tar" .
@@ -41,7 +47,7 @@ if ! have "$PY_IMG"; then
   "${BUILDAH[@]}" add "$ctr" "$root.tar" / >/dev/null   # a local tar archive: added unpacked
   rm -f "$root.tar"
   "${BUILDAH[@]}" config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    --env LANG=C.UTF-8 --cmd python3 "$ctr"
+    --env LANG=C.UTF-8 --env PIP_CERT=/etc/ssl/certs/ca-certificates.crt --cmd python3 "$ctr"
   "${BUILDAH[@]}" commit --rm "$ctr" "$PY_IMG" >&2
   rm -rf "$root"; trap - EXIT
 fi
@@ -58,7 +64,7 @@ if ! have "$NODE_IMG"; then
   rm -f "$nodetar"; trap - EXIT
   "${BUILDAH[@]}" run --isolation "${BUILDAH_ISOLATION:-chroot}" "$ctr" node --version >&2
   "${BUILDAH[@]}" run --isolation "${BUILDAH_ISOLATION:-chroot}" "$ctr" npm --version >&2
-  "${BUILDAH[@]}" config --cmd node "$ctr"
+  "${BUILDAH[@]}" config --env NODE_EXTRA_CA_CERTS=/etc/ssl/certs/ca-certificates.crt --cmd node "$ctr"
   "${BUILDAH[@]}" commit --rm "$ctr" "$NODE_IMG" >&2
 fi
 
