@@ -25,6 +25,11 @@ KEY=$( { cat "$0"; echo "$NODE_VERSION"; npm --version; cat /etc/ssl/certs/ca-ce
 PY_IMG=localhost/hai-base-python:bookworm-$KEY
 NODE_IMG=localhost/hai-base-node:bookworm-$KEY
 
+# one builder at a time per machine (several checkouts may ask at once)
+mkdir -p "$CACHE"
+exec 9>"$CACHE/lock"
+flock 9
+
 have() { "${BUILDAH[@]}" inspect --type image "$1" >/dev/null 2>&1; }
 
 if ! have "$PY_IMG"; then

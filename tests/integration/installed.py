@@ -10,7 +10,6 @@ checks.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -57,11 +56,13 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
     return out
 
 
-def installed_package(root: Path) -> Installed:
-    """Build the sdist and wheel from backend/, install the wheel into a fresh venv under root."""
+def installed_package(tmp_path_factory) -> Installed:  # noqa: ANN001
+    """Build the sdist and wheel from backend/, install the wheel into a fresh venv (once per
+    session: pytest's tmp_path_factory)."""
     with _lock:
         if "it" in _cache:
             return _cache["it"]
+        root = tmp_path_factory.mktemp("installed")
         dist = root / "dist"
         run([sys.executable, "-m", "build", str(REPO / "backend"), "--outdir", str(dist)], timeout=600)
         # the build must not leave copies in the source tree (one copy of the migrations)
@@ -97,7 +98,3 @@ def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "
 
 def tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
-
-
-def remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)

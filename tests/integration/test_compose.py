@@ -225,7 +225,7 @@ class ComposeRun:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
-    return installed_package(tmp_path_factory.mktemp("installed", numbered=False))
+    return installed_package(tmp_path_factory)
 
 
 def test_the_compose_stack_runs_as_written_and_a_job_succeeds(installed, tmp_path, pg_url, redis_url):

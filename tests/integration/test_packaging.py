@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Installed:
-    return installed_package(tmp_path_factory.mktemp("installed", numbered=False))
+    return installed_package(tmp_path_factory)
 
 
 @pytest.fixture
