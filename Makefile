@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 FRONT_STAMP := frontend/node_modules/.installed
 DIST := frontend/dist/index.html
 
-.PHONY: demo test install frontend test-unit test-api test-integration test-e2e bench openapi clean
+# `make image`: the container image of deploy/Dockerfile, with docker or buildah (deploy/README.md)
+.PHONY: demo test install frontend image test-unit test-api test-integration test-e2e bench openapi clean
 
 $(STAMP): backend/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,9 @@ test-integration: $(STAMP)
 
 test-e2e: $(STAMP) $(DIST)
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
+
+image:
+	deploy/build-image.sh
 
 clean:
 	rm -rf $(VENV) frontend/node_modules frontend/dist .hai

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
 
 from hai.api import agent, errors, health, jobs, metrics, nodes, telemetry, users
 from hai.api.spa import SpaStaticFiles
@@ -13,10 +15,33 @@ from hai.services.context import Platform
 from hai.settings import Settings, get_settings
 
 API_VERSION = "1"
+log = logging.getLogger(__name__)
+
+NO_DASHBOARD_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>HAI platform: no dashboard</title></head>
+<body style="font-family: sans-serif; max-width: 42rem; margin: 3rem auto">
+<h1>HAI platform</h1>
+<p>The API is up (<a href="/docs">/docs</a>, <a href="/healthz">/healthz</a>), but this server has
+no built dashboard to serve.</p>
+<p>Build it with <code>cd frontend &amp;&amp; npm ci &amp;&amp; npm run build</code>, then either point
+<code>HAI_FRONTEND_DIST</code> at <code>frontend/dist</code> or reinstall the package
+(<code>pip install ./backend</code>), which ships a dashboard built before it.</p>
+</body></html>
+"""
 
 
-def default_frontend_dist() -> Path:
-    return Path(__file__).resolve().parents[2] / "frontend" / "dist"
+def dashboard_candidates() -> list[Path]:
+    """Where a built dashboard may be, when HAI_FRONTEND_DIST does not say: the copy shipped in the
+    installed package (backend/setup.py), then the source checkout's frontend/dist."""
+    package = Path(__file__).resolve().parent
+    return [package / "_shipped" / "dashboard", package.parents[1] / "frontend" / "dist"]
+
+
+def find_dashboard(configured: Path | None) -> Path | None:
+    for dist in [configured] if configured is not None else dashboard_candidates():
+        if dist.is_dir() and (dist / "index.html").is_file():
+            return dist
+    return None
 
 
 def create_app(platform: Platform | None = None, settings: Settings | None = None) -> FastAPI:
@@ -42,7 +67,19 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         app.include_router(module.router)
     app.include_router(nodes.validations_router)  # issue 10: GET /api/v1/validations/{id}
 
-    dist = (platform.settings if platform else (settings or get_settings())).frontend_dist or default_frontend_dist()
-    if dist.is_dir() and (dist / "index.html").exists():
+    configured = (platform.settings if platform else (settings or get_settings())).frontend_dist
+    dist = find_dashboard(configured)
+    if dist is not None:
         app.mount("/", SpaStaticFiles(directory=dist, html=True), name="dashboard")
+    else:
+        looked = [configured] if configured is not None else dashboard_candidates()
+        log.warning(
+            "no built dashboard (looked in %s): / serves a page saying how to build it",
+            ", ".join(str(p) for p in looked),
+        )
+
+        @app.get("/", include_in_schema=False)
+        def no_dashboard() -> HTMLResponse:
+            return HTMLResponse(NO_DASHBOARD_PAGE)
+
     return app

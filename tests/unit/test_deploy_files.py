@@ -25,7 +25,7 @@ def test_compose_stack_has_every_part_of_production_mode():
     assert {"postgres", "redis", "migrate", "api", "scheduler", "worker"} <= set(services)
     assert any(name.startswith("agent") for name in services)
     commands = {name: " ".join(s["command"]) if isinstance(s.get("command"), list) else s.get("command", "") for name, s in services.items()}
-    assert "alembic upgrade head" in commands["migrate"]
+    assert commands["migrate"] == "hai migrate"
     assert "hai server" in commands["api"] and "hai scheduler" in commands["scheduler"]
     assert "celery -A hai.tasks worker" in commands["worker"]
     assert services["api"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
