@@ -1,0 +1,101 @@
+"""The one seam between the Kubernetes backend and the service layer. Every call into
+``hai.services`` (and the few queries the backend needs) lives here, so that the ongoing
+restructuring of ``services/agents.py`` only has to be followed in this file.
+
+The backend is a fleet of virtual agents: it speaks the agent protocol (register, heartbeat)
+in process, so the job-outcome rules are the agents' rules.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from hai.db.base import utcnow
+from hai.db.models import Job, JobAllocation, Node
+from hai.domain.jobs import JobState
+from hai.protocol import AgentHello, Heartbeat, LogBatch, ServerReply
+from hai.services import agents as agent_service
+from hai.services import logs as log_service
+from hai.services import notify
+from hai.services.context import Platform
+from hai.services.jobs import publish_after_commit, transition
+
+
+def register(platform: Platform, hello: AgentHello) -> ServerReply:
+    with platform.sessions() as session:
+        return agent_service.register(session=session, hello=hello, settings=platform.settings)
+
+
+def heartbeat(platform: Platform, hb: Heartbeat) -> ServerReply:
+    with platform.sessions() as session:
+        return agent_service.heartbeat(session=session, hb=hb, settings=platform.settings)
+
+
+def digest(reply: ServerReply) -> str:
+    return agent_service.digest(reply.assignments)
+
+
+def append_logs(platform: Platform, batch: LogBatch) -> int:
+    with platform.sessions() as session:
+        return log_service.append_batch(session=session, batch=batch)
+
+
+def busy_nodes(platform: Platform) -> set[str]:
+    """Nodes holding active allocations (their assignments may have changed)."""
+    with platform.sessions() as session:
+        return set(session.scalars(select(JobAllocation.node_name).where(JobAllocation.active.is_(True)).distinct()))
+
+
+def node_states(platform: Platform) -> dict[str, tuple[str, str]]:
+    with platform.sessions() as session:
+        return {n.name: (n.state, n.state_reason) for n in session.scalars(select(Node))}
+
+
+# Node state changes the backend makes on the platform's side. The node state machine (drain)
+# is being built in services/nodes.py; re-point this to its transition function after the merge.
+K8S_REASON_PREFIX = "kubernetes: "
+
+
+def sync_node_state(platform: Platform, name: str, state: str, reason: str) -> bool:
+    """Mirror a Kubernetes Node's condition (cordon, NotReady) onto the platform node. A state the
+    platform set itself (a drain, lost) is left alone; a state that came from Kubernetes is undone
+    once Kubernetes clears it. True when something changed."""
+    with platform.sessions() as session:
+        node = session.scalar(select(Node).where(Node.name == name).with_for_update())
+        if node is None:
+            return False
+        ours = node.state_reason.startswith(K8S_REASON_PREFIX)
+        if state == "ready":
+            if node.state != "ready" and ours:
+                node.state, node.state_reason = "ready", ""
+            else:
+                session.rollback()
+                return False
+        else:
+            if node.state in ("draining", "drained", "lost") and not ours:
+                session.rollback()
+                return False  # the platform's own drain (or the reaper) wins
+            want = K8S_REASON_PREFIX + reason
+            if node.state == state and node.state_reason == want:
+                session.rollback()
+                return False
+            node.state, node.state_reason = state, want
+        publish_after_commit(session, notify.SCHEDULER)
+        session.commit()
+        return True
+
+
+def requeue_not_started(platform: Platform, job_id: int, attempt: int, reason: str) -> bool:
+    """Gang timeout: the attempt never ran as a whole. Back to the queue as not started: no
+    restart counted, no failure, no lost work charged (the attempt's run time stays as the
+    state machine books it for any ended attempt). The allocations become ``stop``; the GPUs
+    are released once the nodes report the pods gone."""
+    with platform.sessions() as session:
+        job = session.get(Job, job_id, with_for_update=True)
+        if job is None or job.attempt != attempt or job.state not in (JobState.STARTING.value, JobState.RUNNING.value):
+            session.rollback()
+            return False
+        transition(session, job, JobState.QUEUED, reason=reason, now=utcnow())
+        job.pending_reason = "requeued: its pods did not all start in time (not started, not charged)"
+        session.commit()
+        return True
