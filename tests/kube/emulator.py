@@ -21,6 +21,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -201,6 +202,22 @@ class HaiEmulator(kmock.KubernetesEmulator):
         return not fields or fields_match(obj, fields)
 
     # ------------------------------------------------------------------ dispatch
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock's path parser takes /api/v1/namespaces[/name] for a namespace prefix and fails
+        m = re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?", raw_request.path)
+        if m is None:
+            return await super().__call__(raw_request)
+        body = await raw_request.read()
+        data = json.loads(body) if body else None
+        method = raw_request.method.upper()
+        name = m.group(1)
+        action = ({"GET": kmock.action.FETCH, "PATCH": kmock.action.UPDATE, "DELETE": kmock.action.DELETE}.get(method)
+                  if name else {"GET": kmock.action.LIST, "POST": kmock.action.CREATE}.get(method))
+        request = kmock.Request(raw_request=raw_request, method=method, url=raw_request.url,
+                                params=dict(raw_request.query), data=data, body=body, action=action,
+                                resource=kmock.resource(group="", version="v1", plural="namespaces"), name=name)
+        return await self._handle(request)
+
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if res is None or res.plural is None:
