@@ -35,6 +35,37 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "backend"))
 
 
+def serve_cluster(tmp: str, nodes: int, runtime_s: float, conn) -> None:
+    """The child process: the API emulator and the fake kubelet (a separate process, as the API
+    server and the kubelets are: they do not share the platform's interpreter lock)."""
+    sys.path[:0] = [str(REPO), str(REPO / "backend")]
+    from kubernetes import client
+
+    from tests.kube.emulator import Cluster, api_for
+    from tests.kube.kubelet import FakeKubelet, gpu_node
+
+    cluster = Cluster(Path(tmp)).start()
+    api = api_for(cluster, pool=32)
+    core = client.CoreV1Api(api)
+    t0 = time.perf_counter()
+    for i in range(nodes):
+        zone = "A" if i < nodes // 2 else "B"
+        core.create_node(gpu_node(f"gpu-{i:04d}", gpus=8, zone=zone, leaf=f"{zone}{(i % 625) // 20:02d}"),
+                         _preload_content=False)
+    created_s = time.perf_counter() - t0
+    kubelet = FakeKubelet(cluster, api, namespace="hai-jobs", workdir=Path(tmp) / "kubelet", run_processes=False,
+                          sim_runtime_s=runtime_s).start()
+    conn.send({"kubeconfig": str(cluster.kubeconfig), "nodes_created_s": created_s})
+    while True:
+        msg = conn.recv()
+        if msg == "stats":
+            conn.send({"started": kubelet.started, "writes": cluster.emu.writes})
+        else:
+            break
+    kubelet.close()
+    cluster.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1250)
@@ -60,9 +91,6 @@ def main() -> None:
     from hai.services.context import Platform
     from hai.services.runner import SchedulerLoop
     from hai.settings import AgentSettings, KubernetesSettings, SchedulerSettings, Settings
-    from tests.kube.emulator import Cluster, api_for
-    from tests.kube.kubelet import FakeKubelet, gpu_node
-
     tmp = Path(tempfile.mkdtemp(prefix="k8s-bench-"))
     dropdb = None
     if args.database_url:
@@ -80,21 +108,30 @@ def main() -> None:
         db_url = f"sqlite:///{tmp / 'hai.db'}"
     upgrade(db_url)
 
-    cluster = Cluster(tmp).start()
-    api = api_for(cluster, pool=args.workers + 16)
-    core = client.CoreV1Api(api)
-    t0 = time.perf_counter()
-    for i in range(args.nodes):
-        zone = "A" if i < args.nodes // 2 else "B"
-        core.create_node(gpu_node(f"gpu-{i:04d}", gpus=8, zone=zone, leaf=f"{zone}{(i % 625) // 20:02d}"),
-                         _preload_content=False)
-    nodes_created_s = time.perf_counter() - t0
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=serve_cluster, args=(str(tmp), args.nodes, args.runtime_s, child_conn), daemon=True)
+    child.start()
+    hello = parent_conn.recv()
+    nodes_created_s = hello["nodes_created_s"]
+    from kubernetes import config as k8s_config
+
+    cfg = client.Configuration()
+    k8s_config.load_kube_config(config_file=hello["kubeconfig"], client_configuration=cfg)
+    cfg.connection_pool_maxsize = args.workers + 16
+    core = client.CoreV1Api(client.ApiClient(cfg))
+
+    def stats() -> dict:
+        parent_conn.send("stats")
+        return parent_conn.recv()
 
     settings = Settings(
         data_dir=tmp, db={"url": db_url}, executor="kubernetes",
         scheduler=SchedulerSettings(min_runtime_s=0, interval_s=0.5),
         agent=AgentSettings(lost_after_s=120),
-        kubernetes=KubernetesSettings(kubeconfig=str(cluster.kubeconfig), namespace="hai-jobs",
+        kubernetes=KubernetesSettings(kubeconfig=hello["kubeconfig"], namespace="hai-jobs",
                                       python=sys.executable, reconcile_interval_s=0.2,
                                       heartbeat_workers=args.workers, follow_logs=not args.no_logs),
     )
@@ -103,9 +140,7 @@ def main() -> None:
         user = auth.ensure_user_token(session=s, name="bench", group="bench", is_admin=True, secret="hai_bench_" + "x" * 20)
         principal = Principal(kind="user", user_id=user.id, name="bench", group="bench", is_admin=True)
 
-    kubelet = FakeKubelet(cluster, api, namespace="hai-jobs", workdir=tmp / "kubelet", run_processes=False,
-                          sim_runtime_s=args.runtime_s).start()
-    backend = KubernetesBackend(platform, client.CoreV1Api(api))
+    backend = KubernetesBackend(platform, core)
     backend.start()
 
     def registered() -> int:
@@ -136,7 +171,7 @@ def main() -> None:
         el = time.perf_counter() - start
         if "pods_created_s" not in marks and backend.pods_created >= args.jobs:
             marks["pods_created_s"] = el
-        if "pods_started_s" not in marks and kubelet.started >= args.jobs:
+        if "pods_started_s" not in marks and stats()["started"] >= args.jobs:
             marks["pods_started_s"] = el
         if "jobs_succeeded_s" not in marks and count_succeeded() >= args.jobs:
             marks["jobs_succeeded_s"] = el
@@ -160,14 +195,14 @@ def main() -> None:
         "target_s": 60, "met": marks.get("jobs_succeeded_s", 1e9) <= 60,
         "job_states": states, "log_lines_stored": log_lines,
         "backend_passes": backend.passes, "heartbeats": backend.heartbeats, "pods_created": backend.pods_created,
-        "api_writes": cluster.emu.writes, "cpu_count": os.cpu_count(),
+        "api_writes": stats()["writes"], "cpu_count": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(result, indent=2))
     sched.stop.set()
     backend.close()
-    kubelet.close()
-    cluster.stop()
+    parent_conn.send("stop")
+    child.join(30)
     platform.close()
     if dropdb is not None:
         dropdb()

@@ -421,6 +421,7 @@ class HaiEmulator(kmock.KubernetesEmulator):
         try:
             await resp.prepare(request._raw_request)
             off = 0
+            idle = 0.02
             while True:
                 done = src.done
                 try:
@@ -431,11 +432,13 @@ class HaiEmulator(kmock.KubernetesEmulator):
                     data = b""
                 if data:
                     off += len(data)
+                    idle = 0.02
                     await resp.write(data)
                 elif done:
                     break
                 else:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(idle)
+                    idle = min(0.5, idle * 2)  # quiet logs are polled less often
             await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):
             pass

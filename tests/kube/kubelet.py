@@ -106,6 +106,7 @@ class FakeKubelet:
         self.run_processes = run_processes
         self.sim_runtime_s = sim_runtime_s
         self.node_gpus: dict[str, int] = {}
+        self.dns_cache: set[str] = set()
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.runs: dict[str, PodRun] = {}
@@ -301,10 +302,13 @@ class FakeKubelet:
         m = re.fullmatch(r"([a-z0-9-]+)\.([a-z0-9-]+)\.svc(\.cluster\.local)?", value)
         if not m:
             return value
+        if value in self.dns_cache:
+            return "127.0.0.1"
         try:
             self.core.read_namespaced_service(m.group(1), m.group(2), _preload_content=False)
         except ApiException:
             return value
+        self.dns_cache.add(value)
         return "127.0.0.1"
 
     def _update_podinfo(self, run: PodRun, annotations: dict, *, force: bool = False) -> None:

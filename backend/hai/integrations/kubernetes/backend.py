@@ -220,6 +220,7 @@ class KubernetesBackend:
         self.replies: dict[str, ServerReply] = {}
         self.applied_digest: dict[str, str] = {}
         self.last_hb: dict[str, float] = {}
+        self.fingerprints: dict[str, int] = {}  # per node, of its assignments at its last heartbeat
         self.dirty: set[str] = set()
         self.node_state_seen: dict[str, tuple[str, str]] = {}
         self.parents: dict[tuple[int, int], dict] = {}
@@ -404,31 +405,46 @@ class KubernetesBackend:
             self.wake.wait(self.cfg.reconcile_interval_s)
 
     def reconcile_once(self) -> None:
+        """One level-triggered pass. A node gets a heartbeat when something may have changed for
+        it: its pods or Node changed (watch events), its assignments' fingerprint changed, it has
+        attempt reports to hand in, or its keepalive is due. Deadlines (suspend grace, ...) are
+        checked for every node with pods, from its last reply, without the database."""
         now = self.clock()
         nodes = {n["metadata"]["name"]: n for n in self.nodes.snapshot()}
         pods_by_node = self._pods_by_node()
-        busy = plat.busy_nodes(self.platform)
+        prints = plat.assignment_fingerprints(self.platform)
         with self.lock:
             dirty, self.dirty = self.dirty, set()
             tomb_nodes = {k[0] for k in self.tombstones}
-            rt_nodes = {rt.node for rt in self.runtime.values()}
         todo = []
         for name, node in sorted(nodes.items()):
-            due = (name in busy or name in pods_by_node or name in dirty or name in tomb_nodes or name in rt_nodes
-                   or name not in self.registered or now - self.last_hb.get(name, 0.0) >= self.keepalive_s)
+            changed = prints.get(name) != self.fingerprints.get(name)
+            has_assignments = bool(self.replies.get(name) and self.replies[name].assignments)
+            due = (changed or name in dirty or name in tomb_nodes or name not in self.registered
+                   or (has_assignments and name not in prints)  # its allocations were released
+                   or now - self.last_hb.get(name, 0.0) >= self.keepalive_s)
             if due:
-                todo.append((name, node))
-        futures = [self.pool.submit(self._node_pass, name, node, pods_by_node.get(name, [])) for name, node in todo]
+                todo.append((name, node, prints.get(name)))
+        futures = [self.pool.submit(self._node_pass, name, node, pods_by_node.get(name, []), fp)
+                   for name, node, fp in todo]
         for f in futures:
             try:
                 f.result()
             except Exception:
                 log.exception("kubernetes node pass failed")
+        passed = {name for name, _, _ in todo}
+        for name, pods in pods_by_node.items():
+            reply = self.replies.get(name)
+            if name not in passed and reply is not None:
+                try:
+                    self._supervise(name, reply, pods)
+                except Exception:
+                    log.exception("kubernetes supervision of %s failed", name)
         self._gang_check(now)
         self._collect_parents()
         self.passes += 1
 
-    def _node_pass(self, name: str, node: dict, pods: list[dict]) -> None:
+    def _node_pass(self, name: str, node: dict, pods: list[dict], fingerprint: int | None = None) -> None:
         hello = ob.node_hello(node, zone_label=self.cfg.zone_label, leaf_label=self.cfg.leaf_label,
                               gpu_resource=self.cfg.gpu_resource)
         reply: ServerReply | None = None
@@ -449,6 +465,7 @@ class KubernetesBackend:
                 reply = plat.register(self.platform, hello.model_copy(update={"attempts": self.statuses(name, pods)}))
                 self.registered[name] = hello
         self.last_hb[name] = self.clock()
+        self.fingerprints[name] = fingerprint  # type: ignore[assignment]
         self.replies[name] = reply
         self._apply(name, reply, pods)
         self.applied_digest[name] = reply.assignments_digest

@@ -40,10 +40,22 @@ def append_logs(platform: Platform, batch: LogBatch) -> int:
         return log_service.append_batch(session=session, batch=batch)
 
 
-def busy_nodes(platform: Platform) -> set[str]:
-    """Nodes holding active allocations (their assignments may have changed)."""
+def assignment_fingerprints(platform: Platform) -> dict[str, int]:
+    """Per node holding active allocations, a hash of what its assignments derive from (the
+    allocations and their jobs' state, attempt and desired action). One query for the whole
+    cluster: a node whose fingerprint did not change needs no heartbeat for new assignments."""
     with platform.sessions() as session:
-        return set(session.scalars(select(JobAllocation.node_name).where(JobAllocation.active.is_(True)).distinct()))
+        rows = session.execute(
+            select(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt, Job.attempt, Job.state,
+                   Job.desired_action)
+            .join(Job, Job.id == JobAllocation.job_id)
+            .where(JobAllocation.active.is_(True))
+            .order_by(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt)
+        ).all()
+    out: dict[str, list] = {}
+    for node, *rest in rows:
+        out.setdefault(node, []).append(tuple(rest))
+    return {node: hash(tuple(v)) for node, v in out.items()}
 
 
 def node_states(platform: Platform) -> dict[str, tuple[str, str]]:
