@@ -187,13 +187,22 @@ def main() -> None:
     with platform.sessions() as s:
         log_lines = s.scalar(select(text("count(*)")).select_from(LogLine))
         states = dict(s.execute(select(Job.state, text("count(*)")).group_by(Job.state)).all())
+        from collections import Counter
+
+        from hai.db.models import JobEvent
+
+        reasons = Counter(
+            s.scalar(select(JobEvent.reason).where(JobEvent.job_id == j.id).order_by(JobEvent.id.desc()).limit(1))
+            for j in s.scalars(select(Job).where(Job.state != "succeeded"))
+        )
     result = {
         "nodes": args.nodes, "jobs": args.jobs, "database": make_url(db_url).get_backend_name(),
         "workers": args.workers, "follow_logs": not args.no_logs, "container_runtime_s": args.runtime_s,
         "nodes_created_s": round(nodes_created_s, 2), "nodes_registered_s": round(registered_s, 2),
         **{k: round(v, 2) for k, v in marks.items()},
         "target_s": 60, "met": marks.get("jobs_succeeded_s", 1e9) <= 60,
-        "job_states": states, "log_lines_stored": log_lines,
+        "job_states": states, "unfinished_last_event": dict(reasons.most_common(5)), "log_lines_stored": log_lines,
+        "seconds_in": {k: round(v, 2) for k, v in backend.timings.items()},
         "backend_passes": backend.passes, "heartbeats": backend.heartbeats, "pods_created": backend.pods_created,
         "api_writes": stats()["writes"], "cpu_count": os.cpu_count(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),

@@ -220,7 +220,8 @@ class KubernetesBackend:
         self.replies: dict[str, ServerReply] = {}
         self.applied_digest: dict[str, str] = {}
         self.last_hb: dict[str, float] = {}
-        self.fingerprints: dict[str, int] = {}  # per node, of its assignments at its last heartbeat
+        self.fingerprints: dict[str, int] = {}  # per node, of the assignments of its last reply
+        self.sent: dict[str, list] = {}  # per node, the attempt reports of its last heartbeat
         self.dirty: set[str] = set()
         self.node_state_seen: dict[str, tuple[str, str]] = {}
         self.parents: dict[tuple[int, int], dict] = {}
@@ -231,6 +232,7 @@ class KubernetesBackend:
         self.passes = 0
         self.heartbeats = 0
         self.pods_created = 0
+        self.timings: dict[str, float] = {}  # seconds spent, by kind of work (benchmarks)
         self.threads: list[threading.Thread] = []
         self.pool = ThreadPoolExecutor(max_workers=self.cfg.heartbeat_workers, thread_name_prefix="hai-k8s-hb")
         common = dict(stop=self.stop_event, resync_s=self.cfg.resync_s, watch_timeout_s=self.cfg.watch_timeout_s)
@@ -410,6 +412,7 @@ class KubernetesBackend:
         attempt reports to hand in, or its keepalive is due. Deadlines (suspend grace, ...) are
         checked for every node with pods, from its last reply, without the database."""
         now = self.clock()
+        t_pass = time.perf_counter()
         nodes = {n["metadata"]["name"]: n for n in self.nodes.snapshot()}
         pods_by_node = self._pods_by_node()
         prints = plat.assignment_fingerprints(self.platform)
@@ -417,14 +420,21 @@ class KubernetesBackend:
             dirty, self.dirty = self.dirty, set()
             tomb_nodes = {k[0] for k in self.tombstones}
         todo = []
+        empty = plat.fingerprint(())
         for name, node in sorted(nodes.items()):
-            changed = prints.get(name) != self.fingerprints.get(name)
-            has_assignments = bool(self.replies.get(name) and self.replies[name].assignments)
-            due = (changed or name in dirty or name in tomb_nodes or name not in self.registered
-                   or (has_assignments and name not in prints)  # its allocations were released
+            fp = prints.get(name, empty)
+            due = (fp != self.fingerprints.get(name, empty) or name not in self.registered
                    or now - self.last_hb.get(name, 0.0) >= self.keepalive_s)
+            if not due and name in dirty:  # the Node object changed: its inventory or its condition?
+                due = (self.registered.get(name) != self._hello(node)
+                       or self.node_state_seen.get(name) != ob.node_condition(node))
+            if not due and (name in dirty or name in tomb_nodes):
+                # something changed on the node: report it if the report changed
+                due = self._report(name, pods_by_node.get(name, [])) != self.sent.get(name)
             if due:
-                todo.append((name, node, prints.get(name)))
+                todo.append((name, node, fp))
+        self._timed("pass_prepare", t_pass)
+        t_nodes = time.perf_counter()
         futures = [self.pool.submit(self._node_pass, name, node, pods_by_node.get(name, []), fp)
                    for name, node, fp in todo]
         for f in futures:
@@ -432,6 +442,7 @@ class KubernetesBackend:
                 f.result()
             except Exception:
                 log.exception("kubernetes node pass failed")
+        self._timed("node_passes", t_nodes)
         passed = {name for name, _, _ in todo}
         for name, pods in pods_by_node.items():
             reply = self.replies.get(name)
@@ -444,12 +455,23 @@ class KubernetesBackend:
         self._collect_parents()
         self.passes += 1
 
+    def _hello(self, node: dict) -> AgentHello:
+        return ob.node_hello(node, zone_label=self.cfg.zone_label, leaf_label=self.cfg.leaf_label,
+                             gpu_resource=self.cfg.gpu_resource)
+
+    def _report(self, name: str, pods: list[dict]) -> list:
+        return [st.model_dump(mode="json") for st in self.statuses(name, pods)]
+
+    def _timed(self, what: str, t0: float) -> None:
+        self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
+
     def _node_pass(self, name: str, node: dict, pods: list[dict], fingerprint: int | None = None) -> None:
-        hello = ob.node_hello(node, zone_label=self.cfg.zone_label, leaf_label=self.cfg.leaf_label,
-                              gpu_resource=self.cfg.gpu_resource)
+        hello = self._hello(node)
         reply: ServerReply | None = None
         if self.registered.get(name) != hello:
-            hello_now = hello.model_copy(update={"attempts": self.statuses(name, pods)})
+            attempts = self.statuses(name, pods)
+            self.sent[name] = [st.model_dump(mode="json") for st in attempts]
+            hello_now = hello.model_copy(update={"attempts": attempts})
             reply = plat.register(self.platform, hello_now)
             self.registered[name] = hello
         state = ob.node_condition(node)
@@ -457,17 +479,23 @@ class KubernetesBackend:
             plat.sync_node_state(self.platform, name, *state)
             self.node_state_seen[name] = state
         if reply is None:
-            hb = Heartbeat(node=name, attempts=self.statuses(name, pods), assignments_digest=self.applied_digest.get(name))
+            attempts = self.statuses(name, pods)
+            self.sent[name] = [st.model_dump(mode="json") for st in attempts]
+            hb = Heartbeat(node=name, attempts=attempts, assignments_digest=self.applied_digest.get(name))
+            t0 = time.perf_counter()
             reply = plat.heartbeat(self.platform, hb)
+            self._timed("heartbeat", t0)
             self.heartbeats += 1
             if reply.reregister:
                 self.registered.pop(name, None)
                 reply = plat.register(self.platform, hello.model_copy(update={"attempts": self.statuses(name, pods)}))
                 self.registered[name] = hello
         self.last_hb[name] = self.clock()
-        self.fingerprints[name] = fingerprint  # type: ignore[assignment]
+        self.fingerprints[name] = plat.reply_fingerprint(reply)
         self.replies[name] = reply
+        t0 = time.perf_counter()
         self._apply(name, reply, pods)
+        self._timed("apply", t0)
         self.applied_digest[name] = reply.assignments_digest
         self._supervise(name, reply, pods)
 
@@ -544,7 +572,7 @@ class KubernetesBackend:
     def _create(self, node: str, a: Assignment) -> None:
         """Idempotent: the parent, the Service (rank-0 node) and this node's pod; 409 = exists."""
         parent = self._parent(a)
-        if a.spec.node_rank == 0:
+        if a.spec.node_rank == 0 and a.spec.nnodes > 1:  # one node: every rank is in this pod
             try:
                 self.api.create_namespaced_service(self.ns, ob.master_service(a, namespace=self.ns, parent=parent),
                                                    _preload_content=False)

@@ -164,7 +164,10 @@ def rank_envs(a: Assignment, *, node: str, namespace: str, checkpoint_dir: str) 
         "HAI_CONTROL_DIR": CONTROL_MOUNT, "HAI_PODINFO_DIR": PODINFO_MOUNT,
         "HAI_SUSPEND_GRACE_S": str(spec.suspend_grace_s), "NODE_RANK": str(spec.node_rank),
         "NNODES": str(spec.nnodes), "GROUP_RANK": str(spec.node_rank),
-        "MASTER_ADDR": master_host(a.job_id, a.attempt, namespace), "MASTER_PORT": str(spec.master_port),
+        # several nodes: the attempt's headless Service selects the node-rank-0 pod; one node:
+        # every rank runs in this pod
+        "MASTER_ADDR": master_host(a.job_id, a.attempt, namespace) if spec.nnodes > 1 else "127.0.0.1",
+        "MASTER_PORT": str(spec.master_port),
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     }
     if spec.resume_from:

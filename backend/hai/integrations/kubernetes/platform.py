@@ -40,22 +40,41 @@ def append_logs(platform: Platform, batch: LogBatch) -> int:
         return log_service.append_batch(session=session, batch=batch)
 
 
+def _action(alloc_attempt: int, job_attempt: int, state: str, desired: str) -> str:
+    # the same rule as services/agents._action (keep them together when re-pointing this seam)
+    if alloc_attempt != job_attempt:
+        return "stop"
+    if state in (JobState.STARTING.value, JobState.RUNNING.value) and desired == "run":
+        return "run"
+    if state == JobState.SUSPENDING.value:
+        return "suspend"
+    return "stop"
+
+
+def fingerprint(items) -> int:
+    """A node's assignments as (job_id, attempt, action), order-independent."""
+    return hash(tuple(sorted(items)))
+
+
+def reply_fingerprint(reply: ServerReply) -> int:
+    return fingerprint((a.job_id, a.attempt, a.action) for a in reply.assignments)
+
+
 def assignment_fingerprints(platform: Platform) -> dict[str, int]:
-    """Per node holding active allocations, a hash of what its assignments derive from (the
-    allocations and their jobs' state, attempt and desired action). One query for the whole
-    cluster: a node whose fingerprint did not change needs no heartbeat for new assignments."""
+    """Per node holding active allocations, the fingerprint of the assignments its next reply
+    would carry, for the whole cluster in one query: a node whose fingerprint equals that of its
+    last reply needs no heartbeat to learn new assignments."""
     with platform.sessions() as session:
         rows = session.execute(
             select(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt, Job.attempt, Job.state,
                    Job.desired_action)
             .join(Job, Job.id == JobAllocation.job_id)
             .where(JobAllocation.active.is_(True))
-            .order_by(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt)
         ).all()
     out: dict[str, list] = {}
-    for node, *rest in rows:
-        out.setdefault(node, []).append(tuple(rest))
-    return {node: hash(tuple(v)) for node, v in out.items()}
+    for node, job_id, alloc_attempt, job_attempt, state, desired in rows:
+        out.setdefault(node, []).append((job_id, alloc_attempt, _action(alloc_attempt, job_attempt, state, desired)))
+    return {node: fingerprint(v) for node, v in out.items()}
 
 
 def node_states(platform: Platform) -> dict[str, tuple[str, str]]:
