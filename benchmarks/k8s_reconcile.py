@@ -163,12 +163,18 @@ def main() -> None:
     start = time.perf_counter()
     marks: dict[str, float] = {}
 
+    def count_placed() -> int:
+        with platform.sessions() as s:
+            return s.scalar(select(text("count(*)")).select_from(Job).where(Job.state != "queued"))
+
     def count_succeeded() -> int:
         with platform.sessions() as s:
             return s.scalar(select(text("count(*)")).select_from(Job).where(Job.state == "succeeded"))
 
     while True:
         el = time.perf_counter() - start
+        if "jobs_placed_s" not in marks and count_placed() >= args.jobs:
+            marks["jobs_placed_s"] = el
         if "pods_created_s" not in marks and backend.pods_created >= args.jobs:
             marks["pods_created_s"] = el
         if "pods_started_s" not in marks and stats()["started"] >= args.jobs:

@@ -420,11 +420,19 @@ class KubernetesBackend:
             dirty, self.dirty = self.dirty, set()
             tomb_nodes = {k[0] for k in self.tombstones}
         todo = []
+        idle = []
         empty = plat.fingerprint(())
         for name, node in sorted(nodes.items()):
             fp = prints.get(name, empty)
-            due = (fp != self.fingerprints.get(name, empty) or name not in self.registered
-                   or now - self.last_hb.get(name, 0.0) >= self.keepalive_s)
+            keepalive = now - self.last_hb.get(name, 0.0) >= self.keepalive_s
+            due = fp != self.fingerprints.get(name, empty) or name not in self.registered
+            if keepalive and not due:
+                quiet = (fp == empty and name not in pods_by_node and name not in tomb_nodes and name not in dirty
+                         and not self.sent.get(name))
+                if quiet:
+                    idle.append(name)  # nothing to say: a bulk liveness update instead of a heartbeat
+                else:
+                    due = True
             if not due and name in dirty:  # the Node object changed: its inventory or its condition?
                 due = (self.registered.get(name) != self._hello(node)
                        or self.node_state_seen.get(name) != ob.node_condition(node))
@@ -433,6 +441,11 @@ class KubernetesBackend:
                 due = self._report(name, pods_by_node.get(name, [])) != self.sent.get(name)
             if due:
                 todo.append((name, node, fp))
+        if idle:
+            plat.touch_idle_nodes(self.platform, idle)
+            t = self.clock()
+            for name in idle:
+                self.last_hb[name] = t
         self._timed("pass_prepare", t_pass)
         t_nodes = time.perf_counter()
         futures = [self.pool.submit(self._node_pass, name, node, pods_by_node.get(name, []), fp)

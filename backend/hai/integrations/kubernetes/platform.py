@@ -77,6 +77,22 @@ def assignment_fingerprints(platform: Platform) -> dict[str, int]:
     return {node: fingerprint(v) for node, v in out.items()}
 
 
+def touch_idle_nodes(platform: Platform, names: list[str]) -> int:
+    """Liveness for nodes with nothing to report and nothing assigned, in one statement: what an
+    empty heartbeat would do (last_heartbeat_at; the reaper marks silent nodes lost). A node
+    the server does not know or marked lost is not touched: it gets a real heartbeat."""
+    if not names:
+        return 0
+    from sqlalchemy import update
+
+    with platform.sessions() as session:
+        n = session.execute(
+            update(Node).where(Node.name.in_(names), Node.state != "lost").values(last_heartbeat_at=utcnow())
+        ).rowcount
+        session.commit()
+        return n or 0
+
+
 def node_states(platform: Platform) -> dict[str, tuple[str, str]]:
     with platform.sessions() as session:
         return {n.name: (n.state, n.state_reason) for n in session.scalars(select(Node))}
