@@ -139,6 +139,7 @@ class HaiEmulator(kmock.KubernetesEmulator):
         self.watchers: list[tuple[str, asyncio.Queue]] = []
         self.logs: dict[tuple[str, str, str], LogSource] = {}
         self.writes = 0
+        self.dependents: dict[str, set] = {}  # owner uid -> keys of the objects it owns
 
     # ------------------------------------------------------------------ helpers
     def _status(self, code: int, reason: str, message: str) -> aiohttp.web.Response:
@@ -278,6 +279,8 @@ class HaiEmulator(kmock.KubernetesEmulator):
         else:
             self._objects[key] = data
         raw = self._objects[key].raw
+        for ref in meta.get("ownerReferences") or []:
+            self.dependents.setdefault(ref.get("uid"), set()).add(key)
         self._publish(plural, "ADDED", raw)
         return aiohttp.web.json_response(raw, status=201)
 
@@ -298,6 +301,8 @@ class HaiEmulator(kmock.KubernetesEmulator):
             self._bump(data.setdefault("metadata", {}))
             obj.patch(data)
         raw = obj.raw
+        for ref in (raw.get("metadata") or {}).get("ownerReferences") or []:
+            self.dependents.setdefault(ref.get("uid"), set()).add(key)
         self._publish(plural, "MODIFIED", raw)
         return aiohttp.web.json_response(raw)
 
@@ -349,11 +354,12 @@ class HaiEmulator(kmock.KubernetesEmulator):
         """The garbage collector: dependents of a deleted owner are deleted (background)."""
         if not uid:
             return
-        for key, obj in list(self._objects.items()):
-            if obj.deleted:
+        for key in sorted(self.dependents.pop(uid, set()), key=lambda k: (k[0].plural, k[1] or "", k[2])):
+            obj = self._objects[key] if key in self._objects else None
+            if obj is None or obj.deleted:
                 continue
             refs = (obj.raw.get("metadata") or {}).get("ownerReferences") or []
-            if any(r.get("uid") == uid for r in refs):
+            if any(r.get("uid") == uid for r in refs):  # still owned (the index is only a hint)
                 self.delete(key, key[0].plural, grace=None)
 
     # ------------------------------------------------------------------ watch

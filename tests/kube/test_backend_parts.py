@@ -221,3 +221,23 @@ def test_podwrap_bridges_the_unchanged_sdk(tmp_path):
     assert [e["type"] for e in events] == ["checkpoint", "suspend_ready"]
     assert events[0]["step"] == 5 and events[1]["rank"] == 3
     assert "suspended" in out
+
+
+def test_cordon_and_uncordon_for_the_platform_drain(cluster, core, monkeypatch):
+    from hai.integrations.kubernetes import backend
+    from hai.settings import get_settings
+
+    core.create_node(gpu_node("n1"))
+    monkeypatch.setenv("HAI_KUBERNETES__KUBECONFIG", str(cluster.kubeconfig))
+    get_settings.cache_clear()
+    try:
+        backend.cordon("n1", "drained by admin: GPU 3 ECC errors")
+        node = json.loads(core.read_node("n1", _preload_content=False).data)
+        assert node["spec"]["unschedulable"] is True
+        assert ob.node_condition(node) == ("drained", "drained by admin: GPU 3 ECC errors")
+        backend.uncordon("n1")
+        node = json.loads(core.read_node("n1", _preload_content=False).data)
+        assert ob.node_condition(node) == ("ready", "")
+        assert ob.CORDON_ANNOTATION not in (node["metadata"].get("annotations") or {})
+    finally:
+        get_settings.cache_clear()

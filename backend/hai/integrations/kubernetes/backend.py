@@ -862,18 +862,29 @@ class KubernetesBackend:
 _current: KubernetesBackend | None = None
 
 
-def cordon(node_name: str, reason: str) -> None:
-    """Drain in the platform -> cordon in Kubernetes. Call it from the node-drain service when
-    HAI_EXECUTOR=kubernetes (no-op when this process runs no backend... it then builds a client
-    from the settings and patches the Node directly)."""
+def _api_for_calls() -> k8s.CoreV1Api:
     if _current is not None:
-        _current.cordon(node_name, reason)
-        return
+        return _current.api
     from hai.settings import get_settings
 
-    api = make_api(get_settings().kubernetes, pool=2)
-    api.patch_node(node_name, {"spec": {"unschedulable": True},
-                               "metadata": {"annotations": {ob.CORDON_ANNOTATION: reason}}}, _preload_content=False)
+    return make_api(get_settings().kubernetes, pool=2)
+
+
+def cordon(node_name: str, reason: str) -> None:
+    """Drain in the platform -> cordon in Kubernetes (``spec.unschedulable`` and the reason as the
+    annotation ``hai.io/cordon-reason``). Call it from the node-drain service when
+    HAI_EXECUTOR=kubernetes, after the drain is committed; idempotent. Uses this process's
+    backend when it runs one, else a client built from the settings (needs nodes/patch)."""
+    _api_for_calls().patch_node(node_name, {"spec": {"unschedulable": True},
+                                            "metadata": {"annotations": {ob.CORDON_ANNOTATION: reason}}},
+                                _preload_content=False)
+
+
+def uncordon(node_name: str) -> None:
+    """The platform's un-drain -> uncordon in Kubernetes."""
+    _api_for_calls().patch_node(node_name, {"spec": {"unschedulable": False},
+                                            "metadata": {"annotations": {ob.CORDON_ANNOTATION: None}}},
+                                _preload_content=False)
 
 
 def start_backend(platform: Platform, api: k8s.CoreV1Api | None = None) -> KubernetesBackend:
