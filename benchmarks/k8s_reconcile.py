@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--runtime-s", type=float, default=1.0, help="how long each simulated container runs")
     ap.add_argument("--database-url", default="")
-    ap.add_argument("--workers", type=int, default=8, help="nodes reconciled in parallel")
+    ap.add_argument("--workers", type=int, default=12, help="nodes reconciled in parallel (HAI_KUBERNETES__HEARTBEAT_WORKERS)")
     ap.add_argument("--no-logs", action="store_true", help="do not follow pod logs")
     ap.add_argument("--timeout-s", type=float, default=300)
     args = ap.parse_args()
