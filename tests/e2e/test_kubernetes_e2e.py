@@ -82,9 +82,9 @@ def test_low_job_suspended_at_checkpoint_for_high_job_resumes_exactly(kube):
              and kube.job_pods(low["id"]), timeout=60, what="the suspend annotation on the LOW job's pods")
     suspended = wait_for(lambda: (j := stack.job(low["id"]))["suspensions"] == 1 and j, timeout=120,
                          what="the LOW job to be suspended")
-    assert suspended["last_checkpoint"] is not None
-    assert suspended["lost_gpu_s"] == 0
-    assert any("suspended at its checkpoint" in e["reason"] for e in suspended["events"])
+    assert suspended["last_checkpoint"] is not None, suspended["events"]
+    assert suspended["lost_gpu_s"] == 0, suspended["events"]
+    assert any("suspended at its checkpoint" in e["reason"] for e in suspended["events"]), suspended["events"]
     done_high = stack.wait_state(high["id"], TERMINAL, timeout=120)
     assert done_high["state"] == "succeeded"
     assert "high ran" in stack.logs(high["id"])

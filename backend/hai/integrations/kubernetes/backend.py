@@ -583,9 +583,10 @@ class KubernetesBackend:
         return parent
 
     def _create(self, node: str, a: Assignment) -> None:
-        """Idempotent: the parent, the Service (rank-0 node) and this node's pod; 409 = exists."""
+        """Idempotent: the parent, the Service and this node's pod; 409 = exists. Every node's
+        pass ensures the Service before its pod, so MASTER_ADDR resolves for every rank."""
         parent = self._parent(a)
-        if a.spec.node_rank == 0 and a.spec.nnodes > 1:  # one node: every rank is in this pod
+        if a.spec.nnodes > 1:  # one node: every rank is in this pod
             try:
                 self.api.create_namespaced_service(self.ns, ob.master_service(a, namespace=self.ns, parent=parent),
                                                    _preload_content=False)
