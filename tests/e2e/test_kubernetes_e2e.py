@@ -177,3 +177,26 @@ def test_gang_timeout_requeues_the_job_as_not_started(tmp_path):
                  timeout=60, what="attempt 1 torn down")
     finally:
         stop_kube_stack(ks)
+
+
+def test_platform_restart_mid_job_adopts_its_pods(kube, tmp_path):
+    """Level-triggered: a restarted backend rebuilds its view from the pods (no second pod, no
+    lost outcome) and the job still succeeds."""
+    from tests.e2e.conftest import stop_stack
+
+    stack = kube.stack
+    job = stack.submit(name="survivor", gpus_per_node=2,
+                       command=["bash", "-c", "echo before; sleep 6; echo after"])
+    stack.wait_state(job["id"], {"running"})
+    wait_for(lambda: "before" in stack.logs(job["id"]), what="its first line")
+    uid = kube.job_pods(job["id"])[0]["metadata"]["uid"]
+    stop_stack(stack)  # the API server, the scheduler and the backend go away; the pod runs on
+    assert [p["metadata"]["uid"] for p in kube.job_pods(job["id"])] == [uid]
+    again = start_kube_stack(tmp_path, nodes=[], reuse=kube)
+    kube.stack = again.stack
+    done = again.stack.wait_state(job["id"], TERMINAL, timeout=90)
+    assert done["state"] == "succeeded" and done["attempt"] == 1 and done["restarts"] == 0
+    logs = again.stack.logs(job["id"])
+    assert logs.count("before") == 1 and "after" in logs  # re-followed from the start, stored once
+    assert kube.kubelet.started == 1  # never launched twice
+    wait_for(lambda: _no_objects_left(kube, job["id"]), timeout=60, what="its objects to be deleted")

@@ -47,13 +47,17 @@ class KubeStack:
 
 
 def start_kube_stack(tmp_path: Path, *, nodes: list[dict], kubelet_nodes: set[str] | None = None,
-                     extra_env: dict | None = None) -> KubeStack:
-    cluster = Cluster(tmp_path).start()
-    api = api_for(cluster)
-    core = client.CoreV1Api(api)
-    for n in nodes:
-        core.create_node(n, _preload_content=False)
-    kubelet = FakeKubelet(cluster, api, namespace=NAMESPACE, workdir=tmp_path / "kubelet", nodes=kubelet_nodes).start()
+                     extra_env: dict | None = None, reuse: KubeStack | None = None) -> KubeStack:
+    """``reuse``: the cluster and kubelet of an earlier stack (a platform restart)."""
+    if reuse is None:
+        cluster = Cluster(tmp_path).start()
+        api = api_for(cluster)
+        core = client.CoreV1Api(api)
+        for n in nodes:
+            core.create_node(n, _preload_content=False)
+        kubelet = FakeKubelet(cluster, api, namespace=NAMESPACE, workdir=tmp_path / "kubelet", nodes=kubelet_nodes).start()
+    else:
+        cluster, kubelet, core = reuse.cluster, reuse.kubelet, reuse.core
     ckpt = tmp_path / "checkpoints"
     port = free_port()
     data_dir = tmp_path / "hai"
@@ -66,7 +70,7 @@ def start_kube_stack(tmp_path: Path, *, nodes: list[dict], kubelet_nodes: set[st
         "HAI_KUBERNETES__RECONCILE_INTERVAL_S": "0.2", "HAI_SCHEDULER__MIN_RUNTIME_S": "0",
         **(extra_env or {}),
     }
-    log = (tmp_path / "dev.log").open("w")
+    log = (tmp_path / "dev.log").open("a")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", "0", "--data-dir", str(data_dir)],
         cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
