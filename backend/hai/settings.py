@@ -74,6 +74,31 @@ class ValidationSettings(BaseModel):
     return_level: Literal["quick", "full"] = "full"
 
 
+class KubernetesSettings(BaseModel):
+    """The Kubernetes execution backend (HAI_EXECUTOR=kubernetes): jobs run as pods."""
+
+    kubeconfig: str = Field(default="", description="empty: the in-cluster configuration")
+    context: str = ""
+    namespace: str = "hai-jobs"  # where job pods, their Services and parent ConfigMaps live
+    node_selector: str = Field(default="", description="label selector of the GPU nodes the platform uses")
+    zone_label: str = "topology.kubernetes.io/zone"
+    leaf_label: str = "hai.io/leaf"
+    gpu_resource: str = "nvidia.com/gpu"
+    image: str = "hai-platform:latest"  # job image: has python and the hai package (the SDK)
+    image_pull_policy: str = "IfNotPresent"
+    python: str = "python"  # the interpreter in the image that runs the pod wrapper
+    service_account: str = ""  # job pods' service account (empty: the namespace default)
+    checkpoint_claim: str = Field(default="", description="PersistentVolumeClaim holding per-job checkpoints")
+    checkpoint_host_path: str = Field(default="", description="or a host path (single-site tests, NFS mounts)")
+    checkpoint_mount: str = "/hai/checkpoints"
+    gang_timeout_s: float = Field(default=300.0, gt=0, description="every pod of an attempt must run by then")
+    resync_s: float = Field(default=60.0, gt=0, description="full re-list of nodes and pods")
+    watch_timeout_s: int = Field(default=50, gt=0, description="server-side watch timeout; resumed at its resourceVersion")
+    reconcile_interval_s: float = Field(default=0.5, gt=0)
+    heartbeat_workers: int = Field(default=4, ge=1, description="nodes reconciled in parallel")
+    follow_logs: bool = True
+
+
 class AuthSettings(BaseModel):
     # tokens registered when the server starts (production bootstrap); defaults are refused
     # outside development
@@ -107,6 +132,9 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     validation: ValidationSettings = ValidationSettings()
     metrics: MetricsSettings = MetricsSettings()
+    # who runs the jobs: node agents (HAI_EXECUTOR=agent) or Kubernetes pods (kubernetes)
+    executor: Literal["agent", "kubernetes"] = "agent"
+    kubernetes: KubernetesSettings = KubernetesSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

@@ -66,6 +66,7 @@ class DevStack:
     agent_token: str = ""
     agent_procs: list[subprocess.Popen] = field(default_factory=list)
     scheduler: SchedulerLoop | None = None
+    kubernetes: object | None = None  # the Kubernetes backend, when HAI_EXECUTOR=kubernetes
 
     @property
     def url(self) -> str:
@@ -88,6 +89,12 @@ class DevStack:
         self.scheduler.start_thread()
 
     def start_agents(self) -> None:
+        assert self.platform is not None and self.settings is not None
+        if self.settings.executor == "kubernetes":  # pods instead of agent processes
+            from hai.integrations.kubernetes.backend import start_backend
+
+            self.kubernetes = start_backend(self.platform)
+            return
         env = dict(os.environ)
         for node, zone, leaf in agent_layout(self.agents):
             cmd = [
@@ -112,6 +119,8 @@ class DevStack:
                 p.kill()
         if self.scheduler is not None:
             self.scheduler.stop.set()
+        if self.kubernetes is not None:
+            self.kubernetes.close()  # type: ignore[attr-defined]
         if self.platform is not None:
             self.platform.close()
 

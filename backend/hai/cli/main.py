@@ -146,6 +146,30 @@ def agent(
 
 
 @app.command()
+def kubernetes(
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Run the Kubernetes execution backend (HAI_EXECUTOR=kubernetes; HAI_KUBERNETES__*)."""
+    from hai.services.context import Platform
+
+    settings = _settings(data_dir)
+    if settings.executor != "kubernetes":
+        typer.echo("HAI_EXECUTOR is not 'kubernetes': the agents run the jobs", err=True)
+        raise typer.Exit(2)
+    from hai.integrations.kubernetes.backend import start_backend
+
+    _logging()
+    platform = Platform.from_settings(settings)
+    backend = start_backend(platform)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: backend.stop_event.set())
+    while not backend.stop_event.wait(1.0):
+        pass
+    backend.close()
+    platform.close()
+
+
+@app.command()
 def dev(
     port: Annotated[int, typer.Option()] = 8080,
     agents: Annotated[int, typer.Option(min=0, max=64)] = 4,
