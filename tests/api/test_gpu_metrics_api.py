@@ -217,6 +217,6 @@ def test_cluster_nodes_are_light_rows_with_allocation_utilisation_and_jobs(api):
     api.register_node("n1", zone="B", leaf="B1")
     _beat(api, "n0", {a: 80.0}, [running(j["id"], 1, [0])])
     rows = {n["name"]: n for n in api.get("/api/v1/cluster/nodes").json()}
-    assert rows["n0"] == {"name": "n0", "zone": "A", "leaf": "A1", "state": "ready", "state_reason": "", "gpus": 8,
+    assert rows["n0"] == {"name": "n0", "zone": "A", "leaf": "A1", "state": "ready", "state_reason": "agent registered", "gpus": 8,
                           "allocated_gpus": 2, "util_pct": 10.0, "jobs": [j["id"]]}
     assert rows["n1"]["util_pct"] is None and rows["n1"]["jobs"] == [] and rows["n1"]["zone"] == "B"

@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job, JobAllocation, Node
+from hai.domain.nodes import NodeState
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from hai.services.context import Platform
 from hai.services.errors import ChecksFailed, Conflict, NotFound
 from hai.services.jobs import publish_after_commit, transition
 from hai.services.node_state import set_node_state
-from hai.settings import Settings
+from hai.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -406,7 +406,21 @@ def drain_node(*, session: Session, name: str, reason: str, user: Principal, now
     else:
         set_node_state(session, node, NodeState.DRAINED, actor=actor, reason=text, now=now)
     session.commit()
+    _mirror_cordon(name, text)
     return node
+
+
+def _mirror_cordon(name: str, reason: str | None, settings: Settings | None = None) -> None:
+    """HAI_EXECUTOR=kubernetes: a drain cordons the Kubernetes Node too (reason None: uncordon).
+    Called after the platform's change is committed (the platform's state is the truth)."""
+    if (settings or get_settings()).executor != "kubernetes":
+        return
+    from hai.integrations.kubernetes import backend as k8s  # the only place that talks to Kubernetes
+
+    if reason is None:
+        k8s.uncordon(name)
+    else:
+        k8s.cordon(name, reason)
 
 
 def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal) -> str:
@@ -424,6 +438,7 @@ def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal)
             set_node_state(session, node, NodeState.READY, actor=actor,
                            reason=f"undrained by {user.name} (forced: validation skipped)", detail={"forced": True})
             session.commit()
+            _mirror_cordon(name, None, settings)
             return name
         if not _connected(node, settings, utcnow()):
             raise Conflict(f"node {name}'s agent is not connected, so it cannot be validated; use force to skip")
@@ -458,4 +473,5 @@ def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal)
                            reason=f"undrained by {user.name}: validation run {run_id} passed",
                            detail={"run_id": run_id})
         session.commit()
+    _mirror_cordon(name, None, settings)
     return name

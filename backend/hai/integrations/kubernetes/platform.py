@@ -12,7 +12,10 @@ from sqlalchemy import select
 
 from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, Node
-from hai.domain.jobs import JobState
+from hai.domain.jobs import JobState, assignment_action
+from hai.domain.nodes import NodeState
+from hai.services.errors import Conflict
+from hai.services.node_state import set_node_state
 from hai.protocol import AgentHello, Heartbeat, LogBatch, ServerReply
 from hai.services import agents as agent_service
 from hai.services import logs as log_service
@@ -41,14 +44,8 @@ def append_logs(platform: Platform, batch: LogBatch) -> int:
 
 
 def _action(alloc_attempt: int, job_attempt: int, state: str, desired: str) -> str:
-    # the same rule as services/agents._action (keep them together when re-pointing this seam)
-    if alloc_attempt != job_attempt:
-        return "stop"
-    if state in (JobState.STARTING.value, JobState.RUNNING.value) and desired == "run":
-        return "run"
-    if state == JobState.SUSPENDING.value:
-        return "suspend"
-    return "stop"
+    # the agents' own rule (domain.jobs.assignment_action), so fingerprints match the replies
+    return assignment_action(JobState(state), desired, current_attempt=alloc_attempt == job_attempt).value
 
 
 def fingerprint(items) -> int:
@@ -87,7 +84,7 @@ def touch_idle_nodes(platform: Platform, names: list[str]) -> int:
 
     with platform.sessions() as session:
         n = session.execute(
-            update(Node).where(Node.name.in_(names), Node.state != "lost").values(last_heartbeat_at=utcnow())
+            update(Node).where(Node.name.in_(names), Node.state != NodeState.LOST.value).values(last_heartbeat_at=utcnow())
         ).rowcount
         session.commit()
         return n or 0
@@ -98,8 +95,8 @@ def node_states(platform: Platform) -> dict[str, tuple[str, str]]:
         return {n.name: (n.state, n.state_reason) for n in session.scalars(select(Node))}
 
 
-# Node state changes the backend makes on the platform's side. The node state machine (drain)
-# is being built in services/nodes.py; re-point this to its transition function after the merge.
+# Node state changes the backend makes on the platform's side go through the node state machine
+# (services/node_state.set_node_state, actor "kubernetes"), like every other change.
 K8S_REASON_PREFIX = "kubernetes: "
 
 
@@ -112,21 +109,28 @@ def sync_node_state(platform: Platform, name: str, state: str, reason: str) -> b
         if node is None:
             return False
         ours = node.state_reason.startswith(K8S_REASON_PREFIX)
-        if state == "ready":
-            if node.state != "ready" and ours:
-                node.state, node.state_reason = "ready", ""
-            else:
+        if state == NodeState.READY.value:
+            if node.state == NodeState.READY.value or not ours:
                 session.rollback()
                 return False
+            target, why = NodeState.READY, K8S_REASON_PREFIX + "schedulable and Ready again"
         else:
-            if node.state in ("draining", "drained", "lost") and not ours:
+            if node.state in (NodeState.DRAINING.value, NodeState.DRAINED.value, NodeState.LOST.value) and not ours:
                 session.rollback()
                 return False  # the platform's own drain (or the reaper) wins
             want = K8S_REASON_PREFIX + reason
             if node.state == state and node.state_reason == want:
                 session.rollback()
                 return False
-            node.state, node.state_reason = state, want
+            target, why = NodeState(state), want
+        if node.state == target.value:  # same state, new reason: no transition to record
+            node.state_reason = why
+        else:
+            try:
+                set_node_state(session, node, target, actor="kubernetes", reason=why)
+            except Conflict:
+                session.rollback()
+                return False
         publish_after_commit(session, notify.SCHEDULER)
         session.commit()
         return True
