@@ -67,6 +67,7 @@ class SimConfig:
 class _Job:
     __slots__ = (
         "allocs",
+        "attained",
         "attempt",
         "attempt_start",
         "end",
@@ -89,6 +90,7 @@ class _Job:
         self.state = _PENDING
         self.priority = t.priority
         self.work_done = 0.0
+        self.attained = 0.0  # GPU-seconds held in earlier attempts (attained service)
         self.attempt = 0
         self.attempt_start = 0.0
         self.progress_start = 0.0
@@ -184,6 +186,12 @@ class Simulation:
         self.queued_shapes: dict[tuple[int, int], int] = {}  # (nodes, GPUs a node) -> queued jobs
         # which events are worth a cycle (sim/skipping.py)
         self.rules = IdleCycleRules(self)
+        # a baseline (sim/las.py, sim/easy_fs.py) decides after every event and asks for a
+        # cycle at its own wake-up times; it may read the simulator's oracle facts
+        self.every_event = bool(getattr(scheduler, "every_event", False))
+        self._wake_at: float | None = None
+        if hasattr(scheduler, "bind"):
+            scheduler.bind(self)
         # usage per user: decayed GPU-seconds, updated when a user's GPU count changes
         self.half_life = policy.usage_half_life_s
         self.lam = math.log(2) / self.half_life if self.half_life > 0 else 0.0
@@ -283,7 +291,7 @@ class Simulation:
         self.queued_by_rank[r] = self.queued_by_rank.get(r, 0) + 1
         shape = (j.t.nodes, j.t.gpus_per_node)
         self.queued_shapes[shape] = self.queued_shapes.get(shape, 0) + 1
-        if self.policy.time_sharing and self.policy.preemption:
+        if self.policy.time_sharing and self.policy.preemption and not self.every_event:
             self._push(t + self.policy.wait_threshold_s + self.eps, _W_THRESHOLD, j.t.id, j.attempt)
 
     # -- events --------------------------------------------------------------------------------
@@ -291,6 +299,8 @@ class Simulation:
         """Apply one event. True: a cycle now may decide something new; False: it cannot (its
         decisions would be the last cycle's); None: a stale event (nothing happened)."""
         if kind == _W_CYCLE:
+            if self._wake_at is not None and t >= self._wake_at:
+                self._wake_at = None
             return True
         j = self.jobs[job_id]
         if kind == _ARRIVE:
@@ -428,6 +438,7 @@ class Simulation:
                 continue
             self.preemptions += 1
             self.rules.unexpire(j)
+            j.attained += max(0.0, t - j.attempt_start) * j.t.gpus
             j.suspend_for = s.for_job_id
             j.state = _SUSPENDING
             self._rview(j, t)
@@ -502,6 +513,8 @@ class Simulation:
             self.running_by_rank[r] = self.running_by_rank.get(r, 0) + 1
             self._rview(j, t)
             self._push(j.progress_start + (tj.duration_s - j.work_done), _FINISH, tj.id, j.attempt)
+            if self.every_event:
+                continue
             if pol.preemption and j.priority.rank < self.max_rank:
                 self._push(t + pol.min_runtime_s + self.eps, _W_MINRT, tj.id, j.attempt)
             if pol.time_sharing and pol.preemption:
@@ -519,6 +532,11 @@ class Simulation:
                 self._qview(self.jobs[jid], new_res.get(jid, ()))
         self.reservations = new_res
         self.rules.reserved(new_res)
+        if self.every_event:
+            w = getattr(self.scheduler, "next_wakeup", None)
+            if w is not None and w > t and (self._wake_at is None or w < self._wake_at or self._wake_at <= t):
+                self._wake_at = w
+                self._push(w, _W_CYCLE, 0, 0)
 
     def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could
@@ -568,7 +586,7 @@ class Simulation:
                 at, kind, _seq, job_id, attempt = heapq.heappop(heap)
                 self._advance(at)
                 useful = self._handle(kind, job_id, attempt, at)
-                if useful or (useful is False and not self.skip_idle_cycles):
+                if useful or (useful is False and (not self.skip_idle_cycles or self.every_event)):
                     worth = True
             self._advance(t)
             if worth and self.queue:
@@ -577,6 +595,13 @@ class Simulation:
                 d = self.scheduler(snap, self.policy, t)
                 self._apply(d, t)
         return SimResult(self._metrics(), cycles=self.cycles)
+
+    def attained_gpu_s(self, job_id: int, t: float) -> float:
+        """A job's attained service at t: GPU-seconds it has held over all its attempts."""
+        j = self.jobs[job_id]
+        if j.state == _RUNNING:
+            return j.attained + max(0.0, t - j.attempt_start) * j.t.gpus
+        return j.attained
 
     def job_results(self) -> dict[int, dict]:
         """Per job: submit, first start, end (None if it never ran/ended), queued time, suspensions."""
@@ -629,6 +654,7 @@ class Simulation:
             "makespan_s": round(makespan, 1),
             "preemptions": self.preemptions,
             "lost_gpu_s": round(self.lost_gpu_s, 1),
+            "allocated_gpu_s": round(self.busy_gpu_s, 1),
             "overhead_gpu_s": round(self.overhead_gpu_s, 1),
             "multi_node_jobs": len(self.multi_node_jobs),
             "multi_node_starts": self.multi_node_starts,
