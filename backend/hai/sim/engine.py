@@ -188,7 +188,12 @@ class Simulation:
         self.rules = IdleCycleRules(self)
         # a baseline (sim/las.py, sim/easy_fs.py) decides after every event and asks for a
         # cycle at its own wake-up times; it may read the simulator's oracle facts
-        self.every_event = bool(getattr(scheduler, "every_event", False))
+        self.baseline = bool(getattr(scheduler, "every_event", False))
+        # least attained service (Policy.service_classes_gpu_s): a running job's class changes
+        # as it runs, which the idle-cycle rules do not model: a cycle after every event, and
+        # at each time a running job crosses a class threshold or ends its minimum runtime
+        self.las = bool(policy.service_classes_gpu_s) and not self.baseline
+        self.every_event = self.baseline or self.las
         self._wake_at: float | None = None
         if hasattr(scheduler, "bind"):
             scheduler.bind(self)
@@ -291,7 +296,7 @@ class Simulation:
         self.queued_by_rank[r] = self.queued_by_rank.get(r, 0) + 1
         shape = (j.t.nodes, j.t.gpus_per_node)
         self.queued_shapes[shape] = self.queued_shapes.get(shape, 0) + 1
-        if self.policy.time_sharing and self.policy.preemption and not self.every_event:
+        if self.policy.time_sharing and self.policy.preemption and not self.baseline:
             self._push(t + self.policy.wait_threshold_s + self.eps, _W_THRESHOLD, j.t.id, j.attempt)
 
     # -- events --------------------------------------------------------------------------------
@@ -359,6 +364,7 @@ class Simulation:
             submitted_priority=t0.priority,
             suspensions=j.suspensions,
             reserved_nodes=reserved,
+            attained_gpu_s=j.attained,
         )
 
     def _last_checkpoint(self, j: _Job, t: float) -> float | None:
@@ -389,6 +395,7 @@ class Simulation:
             submitted_priority=t0.priority,
             last_checkpoint_at=last_ckpt,
             suspend_requested_for=j.suspend_for,
+            attained_gpu_s=j.attained,
         )
         ci = self.cfg.checkpoint_interval_s
         k = 1 if last_ckpt is None else round((last_ckpt - j.progress_start) / ci) + 1
@@ -513,7 +520,7 @@ class Simulation:
             self.running_by_rank[r] = self.running_by_rank.get(r, 0) + 1
             self._rview(j, t)
             self._push(j.progress_start + (tj.duration_s - j.work_done), _FINISH, tj.id, j.attempt)
-            if self.every_event:
+            if self.baseline:
                 continue
             if pol.preemption and j.priority.rank < self.max_rank:
                 self._push(t + pol.min_runtime_s + self.eps, _W_MINRT, tj.id, j.attempt)
@@ -533,7 +540,7 @@ class Simulation:
         self.reservations = new_res
         self.rules.reserved(new_res)
         if self.every_event:
-            w = getattr(self.scheduler, "next_wakeup", None)
+            w = getattr(self.scheduler, "next_wakeup", None) if self.baseline else self._las_wakeup(t)
             if w is not None and w > t and (self._wake_at is None or w < self._wake_at or self._wake_at <= t):
                 self._wake_at = w
                 self._push(w, _W_CYCLE, 0, 0)
@@ -595,6 +602,30 @@ class Simulation:
                 d = self.scheduler(snap, self.policy, t)
                 self._apply(d, t)
         return SimResult(self._metrics(), cycles=self.cycles)
+
+    def _las_wakeup(self, t: float) -> float | None:
+        """(Least attained service) the next time a running job crosses a service-class
+        threshold or ends its minimum runtime, while jobs wait; None: none."""
+        if not self.queue:
+            return None
+        th = self.policy.service_classes_gpu_s
+        mr = self.policy.min_runtime_s
+        best = None
+        for j in self.running.values():
+            if j.state != _RUNNING:
+                continue
+            g = j.t.gpus
+            a = j.attained + (t - j.attempt_start) * g
+            for x in th:
+                if x > a:
+                    w = t + (x - a) / g
+                    if best is None or w < best:
+                        best = w
+                    break
+            w = j.attempt_start + mr
+            if w > t and (best is None or w < best):
+                best = w
+        return best + self.eps if best is not None else None
 
     def attained_gpu_s(self, job_id: int, t: float) -> float:
         """A job's attained service at t: GPU-seconds it has held over all its attempts."""
