@@ -291,7 +291,7 @@ def test_topology_from_crux_missing_file_fails_cleanly(tmp_path):
     assert r.exit_code == 2 and "cannot read" in r.output
 
 
-@pytest.mark.parametrize("policy_name", ["hai", "fifo"])
+@pytest.mark.parametrize("policy_name", ["hai", "fifo", "las", "easy-fs"])
 def test_sim_command_json(tmp_path, policy_name):
     topo = tmp_path / "topo.csv"
     trace = tmp_path / "trace.csv"
@@ -310,7 +310,7 @@ def test_sim_command_json(tmp_path, policy_name):
 
 def test_sim_command_rejects_an_unknown_policy(tmp_path):
     r = CliRunner().invoke(_app(), ["sim", "--topology", "x", "--trace", "y", "--policy", "sjf"])
-    assert r.exit_code == 2 and "hai or fifo" in r.output
+    assert r.exit_code == 2 and "must be one of hai, fifo, las, easy-fs" in r.output
 
 
 def test_sim_reads_scheduler_durations_from_settings(monkeypatch):

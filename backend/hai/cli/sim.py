@@ -109,7 +109,7 @@ def _human(m: dict, topo_line: str, wall_s: float) -> str:
 def sim(
     topology: Annotated[Path, typer.Option("--topology", help="topology CSV (node,gpus,leaf,zone)")],
     trace: Annotated[Path, typer.Option("--trace", help="trace CSV (timestamp,duration,num_gpus[,priority,user,group])")],
-    policy: Annotated[str, typer.Option("--policy", help="hai (this scheduler) or fifo (public HAI release baseline)")] = "hai",
+    policy: Annotated[str, typer.Option("--policy", help="hai (this scheduler), fifo (public HAI release), las (Tiresias 2D-LAS) or easy-fs (Slurm fair share + EASY backfill)")] = "hai",
     time_scale: Annotated[
         float, typer.Option("--time-scale", min=0.0001, help="divide arrival times by this (2 = twice the load)")
     ] = 1.0,
@@ -122,11 +122,11 @@ def sim(
     """Replay a job trace with a virtual clock through the scheduler; print JCT, queueing,
     utilization, preemptions and placement checks."""
     from hai.sim.engine import SimConfig, Simulation
-    from hai.sim.fifo import FifoScheduler
+    from hai.sim.policies import POLICIES, make_scheduler
     from hai.sim.trace import TraceError, parse_trace
 
-    if policy not in ("hai", "fifo"):
-        _fail(f"--policy must be hai or fifo, not {policy!r}")
+    if policy not in POLICIES:
+        _fail(f"--policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     try:
         topo = parse_topology_csv(_read(topology, "topology"))
     except TopologyError as exc:
@@ -139,10 +139,7 @@ def sim(
     from hai.settings import get_settings
 
     interval = get_settings().scheduler.interval_s
-    if policy == "fifo":
-        scheduler = FifoScheduler(seed=0)
-    else:
-        from hai.domain.scheduler import schedule as scheduler  # type: ignore[assignment]
+    scheduler = make_scheduler(policy)
     engine = Simulation(
         topo,
         jobs,

@@ -67,6 +67,7 @@ class SimConfig:
 class _Job:
     __slots__ = (
         "allocs",
+        "attained",
         "attempt",
         "attempt_start",
         "end",
@@ -89,6 +90,7 @@ class _Job:
         self.state = _PENDING
         self.priority = t.priority
         self.work_done = 0.0
+        self.attained = 0.0  # GPU-seconds held in earlier attempts (attained service)
         self.attempt = 0
         self.attempt_start = 0.0
         self.progress_start = 0.0
@@ -184,6 +186,17 @@ class Simulation:
         self.queued_shapes: dict[tuple[int, int], int] = {}  # (nodes, GPUs a node) -> queued jobs
         # which events are worth a cycle (sim/skipping.py)
         self.rules = IdleCycleRules(self)
+        # a baseline (sim/las.py, sim/easy_fs.py) decides after every event and asks for a
+        # cycle at its own wake-up times; it may read the simulator's oracle facts
+        self.baseline = bool(getattr(scheduler, "every_event", False))
+        # least attained service (Policy.service_classes_gpu_s): a running job's class changes
+        # as it runs, which the idle-cycle rules do not model: a cycle after every event, and
+        # at each time a running job crosses a class threshold or ends its minimum runtime
+        self.las = bool(policy.service_classes_gpu_s) and not self.baseline
+        self.every_event = self.baseline or self.las
+        self._wake_at: float | None = None
+        if hasattr(scheduler, "bind"):
+            scheduler.bind(self)
         # usage per user: decayed GPU-seconds, updated when a user's GPU count changes
         self.half_life = policy.usage_half_life_s
         self.lam = math.log(2) / self.half_life if self.half_life > 0 else 0.0
@@ -283,7 +296,7 @@ class Simulation:
         self.queued_by_rank[r] = self.queued_by_rank.get(r, 0) + 1
         shape = (j.t.nodes, j.t.gpus_per_node)
         self.queued_shapes[shape] = self.queued_shapes.get(shape, 0) + 1
-        if self.policy.time_sharing and self.policy.preemption:
+        if self.policy.time_sharing and self.policy.preemption and not self.baseline:
             self._push(t + self.policy.wait_threshold_s + self.eps, _W_THRESHOLD, j.t.id, j.attempt)
 
     # -- events --------------------------------------------------------------------------------
@@ -291,6 +304,8 @@ class Simulation:
         """Apply one event. True: a cycle now may decide something new; False: it cannot (its
         decisions would be the last cycle's); None: a stale event (nothing happened)."""
         if kind == _W_CYCLE:
+            if self._wake_at is not None and t >= self._wake_at:
+                self._wake_at = None
             return True
         j = self.jobs[job_id]
         if kind == _ARRIVE:
@@ -349,6 +364,7 @@ class Simulation:
             submitted_priority=t0.priority,
             suspensions=j.suspensions,
             reserved_nodes=reserved,
+            attained_gpu_s=j.attained,
         )
 
     def _last_checkpoint(self, j: _Job, t: float) -> float | None:
@@ -379,6 +395,7 @@ class Simulation:
             submitted_priority=t0.priority,
             last_checkpoint_at=last_ckpt,
             suspend_requested_for=j.suspend_for,
+            attained_gpu_s=j.attained,
         )
         ci = self.cfg.checkpoint_interval_s
         k = 1 if last_ckpt is None else round((last_ckpt - j.progress_start) / ci) + 1
@@ -428,6 +445,7 @@ class Simulation:
                 continue
             self.preemptions += 1
             self.rules.unexpire(j)
+            j.attained += max(0.0, t - j.attempt_start) * j.t.gpus
             j.suspend_for = s.for_job_id
             j.state = _SUSPENDING
             self._rview(j, t)
@@ -502,6 +520,8 @@ class Simulation:
             self.running_by_rank[r] = self.running_by_rank.get(r, 0) + 1
             self._rview(j, t)
             self._push(j.progress_start + (tj.duration_s - j.work_done), _FINISH, tj.id, j.attempt)
+            if self.baseline:
+                continue
             if pol.preemption and j.priority.rank < self.max_rank:
                 self._push(t + pol.min_runtime_s + self.eps, _W_MINRT, tj.id, j.attempt)
             if pol.time_sharing and pol.preemption:
@@ -519,6 +539,11 @@ class Simulation:
                 self._qview(self.jobs[jid], new_res.get(jid, ()))
         self.reservations = new_res
         self.rules.reserved(new_res)
+        if self.every_event:
+            w = getattr(self.scheduler, "next_wakeup", None) if self.baseline else self._las_wakeup(t)
+            if w is not None and w > t and (self._wake_at is None or w < self._wake_at or self._wake_at <= t):
+                self._wake_at = w
+                self._push(w, _W_CYCLE, 0, 0)
 
     def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could
@@ -568,7 +593,7 @@ class Simulation:
                 at, kind, _seq, job_id, attempt = heapq.heappop(heap)
                 self._advance(at)
                 useful = self._handle(kind, job_id, attempt, at)
-                if useful or (useful is False and not self.skip_idle_cycles):
+                if useful or (useful is False and (not self.skip_idle_cycles or self.every_event)):
                     worth = True
             self._advance(t)
             if worth and self.queue:
@@ -577,6 +602,37 @@ class Simulation:
                 d = self.scheduler(snap, self.policy, t)
                 self._apply(d, t)
         return SimResult(self._metrics(), cycles=self.cycles)
+
+    def _las_wakeup(self, t: float) -> float | None:
+        """(Least attained service) the next time a running job crosses a service-class
+        threshold or ends its minimum runtime, while jobs wait; None: none."""
+        if not self.queue:
+            return None
+        th = self.policy.service_classes_gpu_s
+        mr = self.policy.min_runtime_s
+        best = None
+        for j in self.running.values():
+            if j.state != _RUNNING:
+                continue
+            g = j.t.gpus
+            a = j.attained + (t - j.attempt_start) * g
+            for x in th:
+                if x > a:
+                    w = t + (x - a) / g
+                    if best is None or w < best:
+                        best = w
+                    break
+            w = j.attempt_start + mr
+            if w > t and (best is None or w < best):
+                best = w
+        return best + self.eps if best is not None else None
+
+    def attained_gpu_s(self, job_id: int, t: float) -> float:
+        """A job's attained service at t: GPU-seconds it has held over all its attempts."""
+        j = self.jobs[job_id]
+        if j.state == _RUNNING:
+            return j.attained + max(0.0, t - j.attempt_start) * j.t.gpus
+        return j.attained
 
     def job_results(self) -> dict[int, dict]:
         """Per job: submit, first start, end (None if it never ran/ended), queued time, suspensions."""
@@ -629,6 +685,7 @@ class Simulation:
             "makespan_s": round(makespan, 1),
             "preemptions": self.preemptions,
             "lost_gpu_s": round(self.lost_gpu_s, 1),
+            "allocated_gpu_s": round(self.busy_gpu_s, 1),
             "overhead_gpu_s": round(self.overhead_gpu_s, 1),
             "multi_node_jobs": len(self.multi_node_jobs),
             "multi_node_starts": self.multi_node_starts,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+from bisect import bisect_right
 from operator import attrgetter
 
 from hai.domain.jobs import Priority
@@ -43,6 +44,7 @@ from hai.domain.scheduler.explain import (
     waiting_for_checkpoints,
     waiting_note,
 )
+from hai.domain.scheduler.explain import fmt_duration
 from hai.domain.scheduler.model import (
     Allocation,
     Decisions,
@@ -125,6 +127,10 @@ class _Cycle:
         self.decisions = Decisions()
         # 1. queue heads
         self.levels, self.queue = _levels(snapshot.queued)
+        self.classes = policy.service_classes_gpu_s
+        self._cls: dict[int, int] = {}  # queued job id -> service class (least attained service on)
+        if self.classes and self.levels:
+            self._order_by_service()
         # 2. the snapshot's state, each part with its owner
         self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
         self.facts = VictimFacts(snapshot, policy, now, self.index, self.levels[0][0] if self.levels else -1)
@@ -138,6 +144,9 @@ class _Cycle:
         self._maxfree = -1  # most free GPUs on any node (only shrinks during a cycle)
         self._notes: dict[tuple, str] = {}
         self.plans_applied = 0
+        self._las_nodes: dict[int, list[tuple]] | None = None  # node ord -> possible victims by class
+        self._las_chosen: set[int] = set()
+        self._las_fail: dict[tuple[int, int], int] = {}  # (rank, class) -> fewest GPUs that found no victims
 
     def run(self) -> Decisions:
         for rank, jobs in self.levels:
@@ -206,6 +215,10 @@ class _Cycle:
                 if plan is not None:
                     self._apply_plan(job, plan)
                     continue
+            # 4b. least attained service: suspend jobs of its priority with more attained service
+            if self.classes and n == 1 and not deferred and pol.preemption and self.plans_applied < cap:
+                if self._las_preempt(job, rank):
+                    continue
             # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
             if ts_on and not deferred and job.queued_at <= ts_since:
                 if memo_only:
@@ -221,10 +234,13 @@ class _Cycle:
                     pend[jid] = reason
                 continue
             # 6. waiting, with the placement failure and what preemption could not do
-            fkey = (reason, deferred)
+            behind = self._behind(rank, jid) if self.classes else 0
+            fkey = (reason, deferred, behind)
             got = final.get(fkey)
             if got is None:
                 got = final[fkey] = reason + self._note(job, False, deferred)
+                if behind:
+                    got += f"; waits behind {behind} job(s) with less attained service (service class {self._cls[jid]})"
             pend[jid] = got
             if not plain:
                 self.res.drop(jid)
@@ -403,6 +419,123 @@ class _Cycle:
         names = self.res.claim(job.id, job_rank, plan.slots)
         d.reservations[job.id] = names
         d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
+
+    # -- least attained service within a level ----------------------------------------------------
+    def _service_class(self, job: QueuedJob) -> int:
+        c = bisect_right(self.classes, job.attained_gpu_s)
+        f = self.policy.starvation_factor
+        if c and f > 0:
+            executed = job.attained_gpu_s / max(1, job.gpu_count)
+            if self.now - job.queued_at >= f * executed:
+                c = 0  # starved: promoted to the first class
+        return c
+
+    def _order_by_service(self) -> None:
+        """Each level by service class (least attained service first), FIFO within a class."""
+        cls = self._cls
+        for _rank_, jobs in self.levels:
+            for j in jobs:
+                cls[j.id] = self._service_class(j)
+            jobs.sort(key=lambda j: cls[j.id])  # stable: FIFO inside a class
+        self._ahead: dict[int, dict[int, int]] = {}
+        for rank_, jobs in self.levels:
+            ahead: dict[int, int] = {}
+            for pos, j in enumerate(jobs):
+                ahead.setdefault(cls[j.id], pos)
+            self._ahead[rank_] = ahead
+        self.queue = [j for _, js in self.levels for j in js]
+
+    def _behind(self, rank: int, jid: int) -> int:
+        """Jobs of its level in lower service classes (ahead of it in the queue)."""
+        return self._ahead.get(rank, {}).get(self._cls.get(jid, 0), 0)
+
+    def _las_victims(self) -> dict[int, list[tuple]]:
+        """Per node: one-node running jobs past their minimum runtime in a service class above
+        0, highest class first, then least GPU-time lost. Built once per cycle, when asked."""
+        if self._las_nodes is None:
+            nodes: dict[int, list[tuple]] = {}
+            pol, now, th = self.policy, self.now, self.classes
+            eff, susp = self.facts.eff_rank, self.facts.susp_mark
+            by_name = self.index.by_name
+            for i, r in enumerate(self.snap.running):
+                if susp[i] or len(r.allocations) != 1:
+                    continue
+                ran = now - r.started_at
+                if ran < (r.min_runtime_s if r.min_runtime_s is not None else pol.min_runtime_s):
+                    continue
+                g = r.gpu_count
+                attained = r.attained_gpu_s + ran * g
+                c = bisect_right(th, attained)
+                slot = by_name.get(r.allocations[0].node)
+                if c == 0 or slot is None:
+                    continue
+                since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
+                nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
+            for lst in nodes.values():
+                lst.sort()
+            self._las_nodes = nodes
+        return self._las_nodes
+
+    def _las_preempt(self, job: QueuedJob, rank: int) -> bool:
+        """A one-node waiting job in service class c: the node where suspending jobs of its
+        priority in classes above c (with the free GPUs) makes room and loses the least GPU-time;
+        suspend them and reserve the node. False: no such node."""
+        g = job.gpus_per_node
+        wcls = self._cls.get(job.id, 0)
+        fkey = (rank, wcls)
+        failed = self._las_fail.get(fkey)
+        if failed is not None and g >= failed:
+            return False
+        table = self.facts._table
+        chosen_t = table.chosen if table is not None else None
+        chosen = self._las_chosen
+        usable = self.res.usable_fn(job, rank)
+        slots = self.index.slots
+        best = None
+        for o, lst in self._las_victims().items():
+            slot = slots[o]
+            if slot.gpus < g or not usable(slot):
+                continue
+            have = len(slot.free)
+            vs: list[tuple] = []
+            lost = 0.0
+            for v in lst:
+                negc, l, i, r_eff, k, _a = v
+                if -negc <= wcls or r_eff != rank or i in chosen or (chosen_t is not None and chosen_t[i]):
+                    continue
+                vs.append(v)
+                lost += l
+                have += k
+                if have >= g:
+                    break
+            if have >= g and vs:
+                key = (lost, len(vs), o)
+                if best is None or key < best[0]:
+                    best = (key, slot, vs)
+        if best is None:
+            self._las_fail[fkey] = g if failed is None else min(failed, g)
+            return False
+        _key, slot, vs = best
+        d = self.decisions
+        running = self.snap.running
+        for negc, l, i, _r, _k, attained in vs:
+            chosen.add(i)
+            if chosen_t is not None:
+                chosen_t[i] = True
+            why = (
+                f"suspend at its next checkpoint for job {job.id}: it has attained"
+                f" {attained / 3600:.1f} GPU-hours (service class {-negc}), job {job.id} {job.attained_gpu_s / 3600:.1f}"
+                f" (class {wcls}); least attained service goes first within {job.priority.value}; it ran"
+                f" {fmt_duration(self.now - running[i].started_at)}, about {l / 3600:.2f} GPU-hours since its last checkpoint are lost"
+            )
+            d.suspends.append(Suspend(running[i].id, why, for_job_id=job.id, code=SuspendCode.TIME_SHARING))
+        self.plans_applied += 1
+        names = self.res.claim(job.id, rank, [slot])
+        d.reservations[job.id] = names
+        d.pending_reasons[job.id] = (
+            f"waiting for {len(vs)} job(s) with more attained service to reach a checkpoint; node {slot.name} reserved"
+        )
+        return True
 
     # -- 4. time-sharing -------------------------------------------------------------------------
     def _ts_one(self, job: QueuedJob, reason: str, epoch: int) -> tuple[bool, bool]:

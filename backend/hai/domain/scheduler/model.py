@@ -50,6 +50,7 @@ class RunningJob:
     allow_cross_zone: bool = False
     min_runtime_s: float | None = None  # per-job override of the policy's minimum runtime
     suspend_requested_for: int | None = None  # the queued job this suspension frees GPUs for
+    attained_gpu_s: float = 0.0  # GPU-seconds held in earlier attempts (this one: started_at..now)
 
     @property
     def gpu_count(self) -> int:
@@ -70,6 +71,7 @@ class QueuedJob:
     allow_cross_zone: bool = False
     suspensions: int = 0
     reserved_nodes: tuple[str, ...] = ()  # nodes being freed for this job by suspensions
+    attained_gpu_s: float = 0.0  # GPU-seconds held over its earlier attempts (attained service)
 
     @property
     def gpu_count(self) -> int:
@@ -108,6 +110,14 @@ class Policy:
     # at most this many waiting jobs start new suspensions in one cycle (bounds a cycle's cost;
     # suspensions take effect at checkpoints, minutes away, so the next cycle continues)
     max_preemptions_per_cycle: int = 32
+    # least attained service within a priority level (issue 16; empty: off, the FIFO levels).
+    # Thresholds in GPU-seconds split each level into service classes: the queue is ordered by
+    # class, then FIFO; a waiting one-node job may suspend jobs of its priority in a higher class
+    # (past their minimum runtime), so short jobs overtake long ones without knowing durations.
+    service_classes_gpu_s: tuple[float, ...] = ()
+    # a waiting job promoted to class 0 once it waited this many times its executed time
+    # (Tiresias' starvation knob; 0: never)
+    starvation_factor: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
