@@ -81,6 +81,19 @@ class AuthSettings(BaseModel):
     bootstrap_agent_token: str = ""
 
 
+class LimitsSettings(BaseModel):
+    """Issue 13: limits against abuse; each refusal is a clear 4xx."""
+
+    # a request body larger than this is refused with 413
+    max_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    # a user with this many queued jobs gets 429 on the next submission (0: no limit)
+    max_queued_jobs_per_user: int = Field(default=10_000, ge=0)
+    # a client (by address) that failed authentication this many times within the window
+    # gets 429 with Retry-After until the window has passed
+    auth_failures: int = Field(default=20, ge=1)
+    auth_failure_window_s: float = Field(default=60.0, gt=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HAI_", env_nested_delimiter="__", extra="ignore")
 
@@ -92,6 +105,7 @@ class Settings(BaseSettings):
     agent: AgentSettings = AgentSettings()
     auth: AuthSettings = AuthSettings()
     validation: ValidationSettings = ValidationSettings()
+    limits: LimitsSettings = LimitsSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

@@ -1444,7 +1444,10 @@ export interface operations {
     submit_api_v1_jobs_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the job the first request created (200) instead of a second job; the same key with another body is a 422 */
+                "Idempotency-Key"?: string | null;
+            };
             path?: never;
             cookie?: never;
         };
@@ -1454,6 +1457,15 @@ export interface operations {
             };
         };
         responses: {
+            /** @description a replay: the job this Idempotency-Key created before */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
             /** @description Successful Response */
             201: {
                 headers: {
@@ -1471,6 +1483,13 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
                 };
+            };
+            /** @description the user's queued-jobs limit is reached */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
         };
     };
