@@ -91,7 +91,7 @@ class LimitsSettings(BaseModel):
     # a client (by address) that failed authentication this many times within the window
     # gets 429 with Retry-After until the window has passed
     auth_failures: int = Field(default=20, ge=1)
-    auth_failure_window_s: float = Field(default=60.0, gt=0)
+    auth_failure_window_s: int = Field(default=60, ge=1)
 
 
 class Settings(BaseSettings):

@@ -1149,6 +1149,11 @@ export interface components {
         StopCause: "requested" | "suspend" | "suspend_timeout" | "max_runtime" | "log_watchdog" | "rank_failed" | "unassigned" | "not_launched";
         /** TokenCreate */
         TokenCreate: {
+            /**
+             * Expires In S
+             * @description the token is refused after this long (default: never)
+             */
+            expires_in_s?: number | null;
             /** Name */
             name: string;
         };
@@ -1159,6 +1164,8 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Expires At */
+            expires_at?: string | null;
             /** Id */
             id: number;
             /** Last Used At */
@@ -1182,6 +1189,8 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Expires At */
+            expires_at?: string | null;
             /** Id */
             id: number;
             /** Last Used At */
