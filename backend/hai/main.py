@@ -9,7 +9,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-from hai.api import agent, errors, health, jobs, metrics, nodes, telemetry, users
+from hai.api import agent, errors, guards, health, jobs, metrics, nodes, telemetry, users
 from hai.api.spa import SpaStaticFiles
 from hai.services.context import Platform
 from hai.settings import Settings, get_settings
@@ -51,6 +51,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     async def lifespan(app: FastAPI):
         if app.state.platform is None:
             app.state.platform = Platform.from_settings(settings or get_settings())
+        app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
+        guards.install_redaction()
         yield
         if owned and app.state.platform is not None:
             app.state.platform.close()
@@ -62,6 +64,9 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         lifespan=lifespan,
     )
     app.state.platform = platform
+    limits = (platform.settings if platform else (settings or get_settings())).limits
+    app.state.auth_failures = guards.AuthFailures(limits)
+    app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
     errors.install(app)
     for module in (health, jobs, nodes, users, agent, metrics, telemetry):
         app.include_router(module.router)

@@ -122,6 +122,19 @@ class MetricsSettings(BaseModel):
     idle_after_s: float = Field(default=600.0, ge=0, description="an allocated GPU idle this long is listed")
 
 
+class LimitsSettings(BaseModel):
+    """Issue 13: limits against abuse; each refusal is a clear 4xx."""
+
+    # a request body larger than this is refused with 413
+    max_body_bytes: int = Field(default=1024 * 1024, gt=0)
+    # a user with this many queued jobs gets 429 on the next submission (0: no limit)
+    max_queued_jobs_per_user: int = Field(default=10_000, ge=0)
+    # a client (by address) that failed authentication this many times within the window
+    # gets 429 with Retry-After until the window has passed
+    auth_failures: int = Field(default=20, ge=1)
+    auth_failure_window_s: int = Field(default=60, ge=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HAI_", env_nested_delimiter="__", extra="ignore")
 
@@ -137,6 +150,7 @@ class Settings(BaseSettings):
     # who runs the jobs: node agents (HAI_EXECUTOR=agent) or Kubernetes pods (kubernetes)
     executor: Literal["agent", "kubernetes"] = "agent"
     kubernetes: KubernetesSettings = KubernetesSettings()
+    limits: LimitsSettings = LimitsSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from hai.services import auth
 from hai.services.context import Platform
-from hai.services.errors import Forbidden
+from hai.services.errors import Forbidden, Unauthorized
 
 _bearer = HTTPBearer(auto_error=False, description="an API token (`hai admin create-user` or POST /api/v1/tokens)")
 
@@ -31,10 +31,19 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def _principal(
-    platform: PlatformDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, platform: PlatformDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> auth.Principal:
+    if creds is None:
+        raise Unauthorized("missing bearer token")
+    failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
+    client = request.client.host if request.client else "unknown"
+    failures.check(client)
     with platform.sessions() as session:
-        return auth.authenticate(session=session, secret=creds.credentials if creds else None)
+        try:
+            return auth.authenticate(session=session, secret=creds.credentials)
+        except Unauthorized:
+            failures.failed(client)
+            raise
 
 
 def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from hai.services.errors import ChecksFailed, Invalid, ServiceError, Unauthorized
+from hai.services.errors import ChecksFailed, Invalid, ServiceError, TooMany, Unauthorized
 
 
 def install(app: FastAPI) -> None:
@@ -17,4 +17,6 @@ def install(app: FastAPI) -> None:
         if isinstance(exc, ChecksFailed):
             return JSONResponse({"detail": exc.body}, status_code=exc.status_code)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        if isinstance(exc, TooMany) and exc.retry_after_s is not None:
+            headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)

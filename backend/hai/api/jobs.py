@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import PlainTextResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
@@ -12,14 +12,48 @@ from hai.domain.jobs import JobState
 from hai.schemas.jobs import JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
 from hai.services import logs as log_service
+from hai.services import submissions
 from hai.services.job_views import job_list, job_read
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobRead)
-def submit(spec: JobCreate, session: SessionDep, user: CurrentUser) -> JobRead:
-    return job_read(session=session, job=job_service.submit_job(session=session, spec=spec, user=user))
+IdempotencyKeyHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
+        "job the first request created (200) instead of a second job; the same key with another body is a 422",
+    ),
+]
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobRead,
+    responses={
+        200: {"model": JobRead, "description": "a replay: the job this Idempotency-Key created before"},
+        429: {"description": "the user's queued-jobs limit is reached"},
+    },
+)
+def submit(
+    spec: JobCreate,
+    response: Response,
+    session: SessionDep,
+    platform: PlatformDep,
+    user: CurrentUser,
+    idempotency_key: IdempotencyKeyHeader = None,
+) -> JobRead:
+    done = submissions.submit(
+        session=session, spec=spec, user=user, limits=platform.settings.limits, idempotency_key=idempotency_key
+    )
+    if done.replayed:
+        response.status_code = status.HTTP_200_OK
+    return job_read(session=session, job=done.job)
 
 
 @router.get("", response_model=JobList)

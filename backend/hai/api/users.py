@@ -22,7 +22,9 @@ def list_tokens(session: SessionDep, user: CurrentUser) -> list[TokenRead]:
 
 @router.post("/tokens", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
 def create_token(body: TokenCreate, session: SessionDep, user: CurrentUser) -> TokenCreated:
-    token, secret = auth.create_token(session=session, principal=user, name=body.name)
+    token, secret = auth.create_token(
+        session=session, principal=user, name=body.name, expires_in_s=body.expires_in_s
+    )
     return TokenCreated(**TokenRead.model_validate(token).model_dump(), token=secret)
 
 

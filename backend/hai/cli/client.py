@@ -7,7 +7,10 @@ import os
 import sys
 from typing import Annotated, Any, NoReturn
 
+import uuid
+
 import httpx
+import tenacity
 import typer
 
 from hai.domain.jobs import JobType, Priority
@@ -42,10 +45,18 @@ def _explain(resp: httpx.Response) -> str:
     return str(detail)
 
 
-def _call(method: str, path: str, **kwargs: Any) -> httpx.Response:
+def _call(method: str, path: str, *, retry_s: float = 0.0, **kwargs: Any) -> httpx.Response:
+    """One request; with ``retry_s`` > 0 (a request that is safe to repeat: idempotent, or
+    carrying an Idempotency-Key), connection errors are retried with backoff for that long."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(httpx.TransportError),
+        stop=tenacity.stop_after_delay(retry_s),
+        wait=tenacity.wait_exponential(multiplier=0.2, max=5.0),
+        reraise=True,
+    )
     try:
         with _client() as c:
-            resp = c.request(method, path, **kwargs)
+            resp = retrying(c.request, method, path, **kwargs)
     except httpx.HTTPError as exc:
         _fail(f"cannot reach the server: {exc}")
     if resp.status_code >= 400:
@@ -76,8 +87,16 @@ def submit(
     suspend_grace_s: Annotated[float | None, typer.Option()] = None,
     tag: Annotated[list[str] | None, typer.Option(help="repeatable")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option(help="sent as Idempotency-Key (default: a new UUID); a retry with it never makes a second job"),
+    ] = None,
+    retry_s: Annotated[
+        float, typer.Option(min=0, help="retry connection errors this long, with the same Idempotency-Key")
+    ] = 60.0,
 ) -> None:
-    """Submit a job; prints its id."""
+    """Submit a job; prints its id. Lost connections are retried with the same Idempotency-Key,
+    so a retry after a server crash returns the job already created, never a second one."""
     body: dict[str, Any] = {
         "name": name or os.path.basename(command[0]) or "job",
         "command": command,
@@ -92,7 +111,8 @@ def submit(
         body["max_runtime_s"] = max_runtime_s
     if suspend_grace_s is not None:
         body["suspend_grace_s"] = suspend_grace_s
-    job = _call("POST", "/api/v1/jobs", json=body).json()
+    headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+    job = _call("POST", "/api/v1/jobs", json=body, headers=headers, retry_s=retry_s).json()
     typer.echo(json.dumps(job, indent=2) if as_json else str(job["id"]))
 
 

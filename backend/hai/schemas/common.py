@@ -17,6 +17,9 @@ class UserRead(BaseModel):
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128)
+    expires_in_s: float | None = Field(
+        default=None, gt=0, le=10 * 366 * 24 * 3600, description="the token is refused after this long (default: never)"
+    )
 
 
 class TokenRead(BaseModel):
@@ -27,6 +30,7 @@ class TokenRead(BaseModel):
     created_at: datetime
     last_used_at: datetime | None
     revoked_at: datetime | None
+    expires_at: datetime | None = None
 
 
 class TokenCreated(TokenRead):

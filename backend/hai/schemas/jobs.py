@@ -7,6 +7,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from hai.domain.jobs import JobState, JobType, Priority
 
 
+# issue 13: the most a job's argv and environment may weigh (bytes of UTF-8, with one NUL per
+# string, as execve counts them); Linux refuses a single string over 128 KiB anyway
+MAX_COMMAND_BYTES = 64 * 1024
+MAX_ENV_BYTES = 64 * 1024
+
+
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +36,11 @@ class JobCreate(BaseModel):
     def _command_not_blank(cls, v: list[str]) -> list[str]:
         if not v[0].strip():
             raise ValueError("the program (first argument) must not be empty")
+        size = sum(len(a.encode()) + 1 for a in v)
+        if size > MAX_COMMAND_BYTES:
+            raise ValueError(f"the command is {size} bytes; at most {MAX_COMMAND_BYTES} are accepted")
+        if any("\0" in a for a in v):
+            raise ValueError("arguments must not contain NUL characters")
         return v
 
     @field_validator("env")
@@ -38,6 +49,11 @@ class JobCreate(BaseModel):
         for key in v:
             if not key or "=" in key or "\0" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
+        if any("\0" in value for value in v.values()):
+            raise ValueError("environment values must not contain NUL characters")
+        size = sum(len(k.encode()) + len(val.encode()) + 2 for k, val in v.items())
+        if size > MAX_ENV_BYTES:
+            raise ValueError(f"the environment is {size} bytes; at most {MAX_ENV_BYTES} are accepted")
         return v
 
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass
+from datetime import timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -36,8 +38,13 @@ def _new_secret(prefix: str) -> str:
     return prefix + secrets.token_urlsafe(32)
 
 
-def _store_token(session: Session, *, secret: str, kind: str, user_id: int | None, name: str) -> ApiToken:
-    token = ApiToken(kind=kind, user_id=user_id, name=name, token_hash=hash_token(secret), prefix=secret[:12])
+def _store_token(
+    session: Session, *, secret: str, kind: str, user_id: int | None, name: str, expires_in_s: float | None = None
+) -> ApiToken:
+    expires_at = utcnow() + timedelta(seconds=expires_in_s) if expires_in_s is not None else None
+    token = ApiToken(
+        kind=kind, user_id=user_id, name=name, token_hash=hash_token(secret), prefix=secret[:12], expires_at=expires_at
+    )
     session.add(token)
     session.flush()
     return token
@@ -84,11 +91,15 @@ def create_agent_token(*, session: Session, name: str = "agents") -> str:
     return secret
 
 
-def create_token(*, session: Session, principal: Principal, name: str) -> tuple[ApiToken, str]:
+def create_token(
+    *, session: Session, principal: Principal, name: str, expires_in_s: float | None = None
+) -> tuple[ApiToken, str]:
     if principal.kind != "user" or principal.user_id is None:
         raise Forbidden("only users can create personal tokens")
     secret = _new_secret(TOKEN_PREFIX)
-    token = _store_token(session, secret=secret, kind="user", user_id=principal.user_id, name=name)
+    token = _store_token(
+        session, secret=secret, kind="user", user_id=principal.user_id, name=name, expires_in_s=expires_in_s
+    )
     session.commit()
     return token, secret
 
@@ -116,9 +127,14 @@ def revoke_token(*, session: Session, principal: Principal, token_id: int) -> Ap
 def authenticate(*, session: Session, secret: str | None) -> Principal:
     if not secret:
         raise Unauthorized("missing bearer token")
-    token = session.scalar(select(ApiToken).where(ApiToken.token_hash == hash_token(secret)))
-    if token is None or token.revoked_at is not None:
+    # the look-up is by SHA-256 of the secret (a timing difference reveals nothing about a
+    # stored secret); the digest is compared again in constant time
+    digest = hash_token(secret)
+    token = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
+    if token is None or not hmac.compare_digest(token.token_hash, digest) or token.revoked_at is not None:
         raise Unauthorized("invalid or revoked token")
+    if token.expires_at is not None and token.expires_at <= utcnow():
+        raise Unauthorized("token expired")
     if token.kind == "agent":
         return Principal(kind="agent", name=token.name, token_id=token.id)
     user = token.user

@@ -40,6 +40,16 @@ class ChecksFailed(Conflict):
         return {"message": self.message, "failed_checks": self.failed_checks}
 
 
+class TooMany(ServiceError):
+    """A limit was reached (issue 13): 429, with ``Retry-After`` when waiting helps."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Invalid(ServiceError):
     """A request that is well-formed but cannot be accepted; reported like a validation error."""
 

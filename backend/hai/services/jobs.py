@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, JobEvent, Node
+from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, Node
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
@@ -91,7 +91,11 @@ def check_fits_cluster(session: Session, spec: JobCreate) -> None:
             )
 
 
-def submit_job(*, session: Session, spec: JobCreate, user: Principal) -> Job:
+def submit_job(
+    *, session: Session, spec: JobCreate, user: Principal, idempotency: tuple[str, str] | None = None
+) -> Job:
+    """``idempotency``: (key, request hash), stored in the job's own transaction (issue 13;
+    services/submissions.py does the look-up and replay)."""
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
     check_fits_cluster(session, spec)
@@ -121,6 +125,10 @@ def submit_job(*, session: Session, spec: JobCreate, user: Principal) -> Job:
         allocations=[],
     )
     session.add(job)
+    if idempotency is not None:
+        session.flush()
+        key, request_hash = idempotency
+        session.add(IdempotencyKey(user_id=user.user_id, key=key, request_hash=request_hash, job_id=job.id))
     publish_after_commit(session, notify.SCHEDULER)
     session.commit()
     return job

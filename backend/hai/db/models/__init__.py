@@ -36,6 +36,8 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # issue 13: a token past this instant is refused (None: never expires)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
     user: Mapped[User | None] = relationship(lazy="joined")
 
@@ -283,3 +285,19 @@ __all__ = [
     "ApiToken", "Base", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
     "NodeEvent", "Quota", "User", "UserUsage", "ValidationCheck", "ValidationRun",
 ]
+
+
+class IdempotencyKey(Base):
+    """Issue 13: one ``Idempotency-Key`` a user sent with ``POST /api/v1/jobs``, written in the
+    same transaction as the job it created, so a replay after any crash finds the same job."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("user_id", "key", name="uq_idempotency_keys_user_id_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"))
+    key: Mapped[str] = mapped_column(String(255))
+    # SHA-256 of the normalised request body: the same key with another body is refused
+    request_hash: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

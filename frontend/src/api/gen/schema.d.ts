@@ -1428,6 +1428,11 @@ export interface components {
         StopCause: "requested" | "suspend" | "suspend_timeout" | "max_runtime" | "log_watchdog" | "rank_failed" | "unassigned" | "not_launched";
         /** TokenCreate */
         TokenCreate: {
+            /**
+             * Expires In S
+             * @description the token is refused after this long (default: never)
+             */
+            expires_in_s?: number | null;
             /** Name */
             name: string;
         };
@@ -1438,6 +1443,8 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Expires At */
+            expires_at?: string | null;
             /** Id */
             id: number;
             /** Last Used At */
@@ -1461,6 +1468,8 @@ export interface components {
              * Format: date-time
              */
             created_at: string;
+            /** Expires At */
+            expires_at?: string | null;
             /** Id */
             id: number;
             /** Last Used At */
@@ -1849,7 +1858,10 @@ export interface operations {
     submit_api_v1_jobs_post: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the job the first request created (200) instead of a second job; the same key with another body is a 422 */
+                "Idempotency-Key"?: string | null;
+            };
             path?: never;
             cookie?: never;
         };
@@ -1859,6 +1871,15 @@ export interface operations {
             };
         };
         responses: {
+            /** @description a replay: the job this Idempotency-Key created before */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobRead"];
+                };
+            };
             /** @description Successful Response */
             201: {
                 headers: {
@@ -1876,6 +1897,13 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["HTTPValidationError"];
                 };
+            };
+            /** @description the user's queued-jobs limit is reached */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
         };
     };
