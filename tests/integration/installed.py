@@ -10,17 +10,15 @@ checks.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+
+from tests.e2e.conftest import free_port, wait_for  # noqa: F401  (re-exported: the suite's one copy)
 
 REPO = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,23 +76,17 @@ def installed_package(tmp_path_factory) -> Installed:  # noqa: ANN001
         return it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], T], *, timeout: float = 60.0, what: str = "condition", interval: float = 0.2) -> T:
-    """Poll a condition until it holds (returns its truthy value) or fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
-
-
 def tail(path: Path, n: int = 4000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+
+
+def two_rank_job_succeeds(c, name: str) -> None:  # noqa: ANN001  (an httpx.Client signed in as admin)
+    """Submit a 2-node command job through REST and check it succeeds with both ranks' logs."""
+    r = c.post("/api/v1/jobs", json={"name": name, "nodes": 2, "command": ["bash", "-c", "echo rank $RANK of $WORLD_SIZE"]})
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    job = wait_for(lambda: (j := c.get(f"/api/v1/jobs/{job_id}").json())["state"] in {"succeeded", "failed", "cancelled"} and j,
+                   timeout=120, what="the job to end")
+    assert job["state"] == "succeeded", job
+    logs = c.get(f"/api/v1/jobs/{job_id}/logs").text
+    assert "rank 0 of 2" in logs and "rank 1 of 2" in logs, logs

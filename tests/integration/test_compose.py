@@ -32,7 +32,7 @@ import yaml
 from dockerfile_parse import DockerfileParser
 from sqlalchemy import create_engine, text
 
-from tests.integration.installed import REPO, _foreign_path, Installed, free_port, installed_package, tail, wait_for
+from tests.integration.installed import REPO, two_rank_job_succeeds, _foreign_path, Installed, free_port, installed_package, tail, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -276,15 +276,7 @@ def test_the_compose_stack_runs_as_written_and_a_job_succeeds(installed, tmp_pat
             nodes = wait_for(registered, timeout=90, what="agent-1 and agent-2 to register")
             assert all(n["zone"] == "A" for n in nodes)
 
-            r = c.post("/api/v1/jobs", json={"name": "compose", "nodes": 2,
-                                             "command": ["bash", "-c", "echo rank $RANK of $WORLD_SIZE"]})
-            assert r.status_code == 201, r.text
-            job_id = r.json()["id"]
-            job = wait_for(lambda: (j := c.get(f"/api/v1/jobs/{job_id}").json())["state"] in {"succeeded", "failed", "cancelled"} and j,
-                           timeout=120, what="the job to end")
-            assert job["state"] == "succeeded", job
-            logs = c.get(f"/api/v1/jobs/{job_id}/logs").text
-            assert "rank 0 of 2" in logs and "rank 1 of 2" in logs, logs
+            two_rank_job_succeeds(c, "compose")
 
         for name in compose.order:
             if name != "migrate":

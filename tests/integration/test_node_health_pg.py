@@ -3,11 +3,7 @@ services, and the scheduled full round run by a real Celery worker."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy import select
@@ -24,9 +20,8 @@ from tests.api.test_node_health_api import (
     running,
 )
 from tests.conftest import Api
-from tests.integration.test_postgres_redis import pg_platform  # noqa: F401  (fixture)
+from tests.integration.test_postgres_redis import celery_worker, pg_platform  # noqa: F401  (fixtures)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_drain_and_gated_undrain_on_postgresql(pg_platform):  # noqa: F811
@@ -58,7 +53,7 @@ def test_drain_and_gated_undrain_on_postgresql(pg_platform):  # noqa: F811
         assert [e["to_state"] for e in node(api, where)["events"]] == ["ready", "draining", "drained", "ready"]
 
 
-def test_celery_beat_task_runs_the_full_round(pg_platform, pg_url, redis_url, tmp_path):  # noqa: F811
+def test_celery_beat_task_runs_the_full_round(pg_platform, celery_worker):  # noqa: F811
     from hai.domain.nodes import NodeState
     from hai.services.node_state import create_node, set_node_state
 
@@ -70,30 +65,14 @@ def test_celery_beat_task_runs_the_full_round(pg_platform, pg_url, redis_url, tm
         set_node_state(s, nodes["drained"], NodeState.DRAINED, actor="test", reason="x")
         set_node_state(s, nodes["sick"], NodeState.UNHEALTHY, actor="test", reason="x")
         s.commit()
-    env = {**os.environ, "HAI_DB__URL": pg_url, "HAI_REDIS__URL": redis_url, "HAI_DATA_DIR": str(tmp_path)}
-    queue = f"hai-it-health-{os.getpid()}"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "hai.tasks", "worker", "-Q", queue, "--pool", "solo", "--loglevel", "WARNING"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    try:
-        os.environ["HAI_REDIS__URL"] = redis_url
-        from hai.settings import get_settings
+    from hai.tasks import app, validate_nodes
 
-        get_settings.cache_clear()
-        from hai.tasks import app, validate_nodes
-
-        assert app.conf.beat_schedule["validate-nodes"]["schedule"] == 7 * 24 * 3600
-        ids = validate_nodes.apply_async(queue=queue).get(timeout=120)
-        with pg_platform.sessions() as s:
-            runs = list(s.scalars(select(ValidationRun).order_by(ValidationRun.id)))
-        assert [r.id for r in runs] == ids
-        assert sorted((r.node_name, r.level, r.trigger, r.status) for r in runs) == [
-            ("drained", "full", "schedule", "pending"), ("fresh", "full", "schedule", "pending")]
-        # a second round while those are pending asks for nothing more
-        assert validate_nodes.apply_async(queue=queue).get(timeout=120) == []
-    finally:
-        os.environ.pop("HAI_REDIS__URL", None)
-        get_settings.cache_clear()
-        worker.terminate()
-        worker.wait(30)
+    assert app.conf.beat_schedule["validate-nodes"]["schedule"] == 7 * 24 * 3600
+    ids = validate_nodes.apply_async(queue=celery_worker).get(timeout=120)
+    with pg_platform.sessions() as s:
+        runs = list(s.scalars(select(ValidationRun).order_by(ValidationRun.id)))
+    assert [r.id for r in runs] == ids
+    assert sorted((r.node_name, r.level, r.trigger, r.status) for r in runs) == [
+        ("drained", "full", "schedule", "pending"), ("fresh", "full", "schedule", "pending")]
+    # a second round while those are pending asks for nothing more
+    assert validate_nodes.apply_async(queue=celery_worker).get(timeout=120) == []

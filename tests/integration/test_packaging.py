@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from tests.integration.installed import REPO, Installed, free_port, installed_package, run, tail, wait_for
+from tests.integration.installed import REPO, two_rank_job_succeeds, Installed, free_port, installed_package, run, tail, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -162,15 +162,7 @@ def test_hai_dev_from_an_empty_folder_runs_a_job(installed, elsewhere):
 
         wait_for(ready, timeout=120, what="hai dev and its 2 agents")
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token_file.read_text().strip()}"}, timeout=30) as c:
-            r = c.post("/api/v1/jobs", json={"name": "from-the-wheel", "nodes": 2,
-                                             "command": ["bash", "-c", "echo rank $RANK of $WORLD_SIZE"]})
-            assert r.status_code == 201, r.text
-            job_id = r.json()["id"]
-            job = wait_for(lambda: (j := c.get(f"/api/v1/jobs/{job_id}").json())["state"] in {"succeeded", "failed", "cancelled"} and j,
-                           timeout=120, what="the job to end")
-            assert job["state"] == "succeeded", job
-            logs = c.get(f"/api/v1/jobs/{job_id}/logs").text
-            assert "rank 0 of 2" in logs and "rank 1 of 2" in logs, logs
+            two_rank_job_succeeds(c, "from-the-wheel")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -36,6 +36,29 @@ def pg_platform(pg_url, redis_url, tmp_path):
     p.close()
 
 
+@pytest.fixture
+def celery_worker(pg_url, redis_url, tmp_path):
+    """A real Celery worker (solo pool) on a queue of its own, against this test's database and
+    Redis; yields the queue. Tasks sent from the test process go through the same Redis."""
+    from hai.settings import get_settings
+
+    env = {**os.environ, "HAI_DB__URL": pg_url, "HAI_REDIS__URL": redis_url, "HAI_DATA_DIR": str(tmp_path)}
+    queue = f"hai-it-{os.getpid()}-{tmp_path.name}"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "hai.tasks", "worker", "-Q", queue, "--pool", "solo", "--loglevel", "WARNING"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    os.environ["HAI_REDIS__URL"] = redis_url
+    get_settings.cache_clear()
+    try:
+        yield queue
+    finally:
+        os.environ.pop("HAI_REDIS__URL", None)
+        get_settings.cache_clear()
+        worker.terminate()
+        worker.wait(30)
+
+
 def test_job_lifecycle_on_postgresql(pg_platform):
     from tests.api.test_agent_protocol_api import cycle, exited, heartbeat, running
 
@@ -101,30 +124,15 @@ def test_redis_carries_wakeups_between_processes(redis_url):
         b.close()
 
 
-def test_celery_worker_reaps_silent_nodes(pg_platform, pg_url, redis_url, tmp_path):
+def test_celery_worker_reaps_silent_nodes(pg_platform, celery_worker):
     with pg_platform.sessions() as s:
         s.add(Node(name="silent", gpus=8, last_heartbeat_at=utcnow() - timedelta(hours=1)))
         s.add(Node(name="alive", gpus=8, last_heartbeat_at=utcnow()))
         s.commit()
-    env = {**os.environ, "HAI_DB__URL": pg_url, "HAI_REDIS__URL": redis_url, "HAI_DATA_DIR": str(tmp_path)}
-    queue = f"hai-it-{os.getpid()}"
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "hai.tasks", "worker", "-Q", queue, "--pool", "solo", "--loglevel", "WARNING"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    try:
-        os.environ["HAI_REDIS__URL"] = redis_url
-        from hai.settings import get_settings
+    from hai.tasks import reap_lost_nodes
 
-        get_settings.cache_clear()
-        from hai.tasks import reap_lost_nodes
-
-        result = reap_lost_nodes.apply_async(queue=queue)
-        assert result.get(timeout=120) == ["silent"]
-        with pg_platform.sessions() as s:
-            states = dict(s.execute(select(Node.name, Node.state)).all())
-        assert states == {"silent": "lost", "alive": "ready"}
-    finally:
-        os.environ.pop("HAI_REDIS__URL", None)
-        worker.terminate()
-        worker.wait(30)
+    result = reap_lost_nodes.apply_async(queue=celery_worker)
+    assert result.get(timeout=120) == ["silent"]
+    with pg_platform.sessions() as s:
+        states = dict(s.execute(select(Node.name, Node.state)).all())
+    assert states == {"silent": "lost", "alive": "ready"}
