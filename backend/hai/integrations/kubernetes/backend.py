@@ -178,6 +178,11 @@ class Informer:
 
 
 # -- per pod runtime state -------------------------------------------------------------------
+
+# how long a rank whose container ended is still reported running while its log is being read
+LOG_DRAIN_S = 30.0
+
+
 @dataclass
 class PodRuntime:
     """What the backend knows about one pod beyond its object: SDK events and its own stops.
@@ -196,6 +201,7 @@ class PodRuntime:
     stopped_reason: str | None = None
     stop_sent_at: float | None = None
     followed: set[str] = field(default_factory=set)  # containers whose log is followed
+    drained: set[str] = field(default_factory=set)  # containers whose log was read to its end and shipped
     last_output_at: float | None = None
 
 
@@ -360,12 +366,36 @@ class KubernetesBackend:
                 stopped_reason = "the pod was deleted outside the platform"
             finished = True
             finished_at = finished_at or self.clock()
+        elif self.cfg.follow_logs:
+            unread = self._log_unread(pod, rt)
+            if unread:
+                # a rank is over only once its log (and the SDK events in it: checkpoint,
+                # suspend_ready) has been read to the end and shipped, as on agents
+                ranks = [RankStatus(rank=r.rank, local_rank=r.local_rank, state="running")
+                         if r.state == "exited" and r.rank in unread else r for r in ranks]
+                finished = False
         return AttemptStatus(
             job_id=rt.job_id, attempt=rt.attempt, ranks=ranks, launch_error=error,
             suspend_ready=rt.ready_at is not None, stopped_reason=stopped_reason, checkpoint=rt.checkpoint,
             progress=rt.progress, finished=finished, stop_cause=stop_cause, started_at=started,
             finished_at=finished_at if finished else None, suspend_requested_at=rt.suspend_requested_at,
         )
+
+    def _log_unread(self, pod: dict, rt: PodRuntime) -> set[int]:
+        """Ranks whose container has ended but whose log has not been read to its end yet; a log
+        the API cannot give (LOG_DRAIN_S after the container ended) is not waited for."""
+        now = self.clock()
+        unread = set()
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            name = cs.get("name") or ""
+            ended = (cs.get("state") or {}).get("terminated")
+            rank = ob._rank_of(name)
+            if rank is None or ended is None or name in rt.drained:
+                continue
+            at = ob._ts((ended or {}).get("finishedAt"))
+            if at is None or now - at < LOG_DRAIN_S:
+                unread.add(rank)
+        return unread
 
     def _pods_by_node(self) -> dict[str, list[dict]]:
         out: dict[str, list[dict]] = {}
@@ -777,7 +807,19 @@ class KubernetesBackend:
             t.start()
 
     def _follow_container(self, pod: str, container: str, rank: int, rt: PodRuntime) -> None:
-        """Follow one container's log from its start (a re-sent line keeps its seq: stored once)."""
+        """Follow one container's log from its start (a re-sent line keeps its seq: stored once);
+        once it has ended, ship what was read and let the node report the rank as over."""
+        try:
+            self._read_container_log(pod, container, rank, rt)
+        finally:
+            try:
+                self._flush_logs()
+            except Exception:
+                log.exception("shipping pod logs failed; the log loop retries")
+            rt.drained.add(container)
+            self._mark(rt.node)
+
+    def _read_container_log(self, pod: str, container: str, rank: int, rt: PodRuntime) -> None:
         while not self.stop_event.is_set():
             seq = 0
             try:
