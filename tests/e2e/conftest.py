@@ -4,6 +4,7 @@ loopback, on a fresh data dir. Tests talk to it over HTTP like a user would."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -80,11 +81,18 @@ class Stack:
         return out
 
 
-def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None, gpus_per_agent: int = 8) -> Stack:
+def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None, gpus_per_agent: int = 8, *,
+                nodes_ready: Callable[[list[dict]], bool] | None = None, what: str = "hai dev and its agents") -> Stack:
+    """`hai dev` with ``agents`` fake-GPU agents, up once ``nodes_ready(GET /api/v1/nodes)`` holds
+    (default: ``agents`` nodes are ready). Its log, ``tmp_path/dev.log``, is appended to, so a
+    stack restarted in the same folder keeps the first one's lines."""
+    if nodes_ready is None:
+        def nodes_ready(nodes: list[dict]) -> bool:
+            return len([n for n in nodes if n["state"] == "ready"]) == agents
     port = free_port()
     data_dir = tmp_path / "hai"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HAI_FRONTEND_DIST": str(tmp_path / "no-dashboard"), **(extra_env or {})}
-    log = (tmp_path / "dev.log").open("w")
+    log = (tmp_path / "dev.log").open("a")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", str(agents), "--data-dir", str(data_dir),
          "--gpus-per-agent", str(gpus_per_agent)],
@@ -103,9 +111,9 @@ def start_stack(tmp_path: Path, agents: int = 2, extra_env: dict | None = None, 
                 nodes = c.get("/api/v1/nodes").json()
         except (httpx.HTTPError, ValueError):
             return None
-        return isinstance(nodes, list) and len([n for n in nodes if n["state"] == "ready"]) == agents
+        return isinstance(nodes, list) and nodes_ready(nodes)
 
-    wait_for(ready, timeout=90, what="hai dev and its agents")
+    wait_for(ready, timeout=90, what=what)
     return Stack(url=url, data_dir=data_dir, proc=proc, admin_token=(data_dir / "admin-token").read_text().strip())
 
 
@@ -143,3 +151,57 @@ def processes_with_env(key: str, value: str, *, within: Path | None = None) -> l
         if needle in env and ") Z " not in stat and (not marker or any(marker in v for v in env)):
             pids.append(int(entry.name))
     return pids
+
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+DDP_EXAMPLE = str(REPO / "examples" / "haiscale_ddp.py")
+
+
+def final_step(logs: str) -> tuple[int, str]:
+    """The DDP example's last (step, parameter checksum), from rank 0 of whichever attempt."""
+    m = re.search(r"\[(?:attempt \d+ )?rank 0\] final step=(\d+) checksum=(\w+)", logs)
+    assert m, logs[-2000:]
+    return int(m.group(1)), m.group(2)
+
+
+def low_job_yields_to_high_job_and_resumes_exactly(stack: Stack, *,
+                                                    suspend_requested: Callable[[int], object] | None = None) -> None:
+    """The checkpoint handshake end to end, whatever runs the ranks (agents or pods): a LOW 2-node
+    torch DDP job (gloo) is suspended at its checkpoint for a HIGH job, which runs on the GPUs it
+    freed; the LOW job resumes from that checkpoint and ends at the same step with the same
+    parameters as the same training never interrupted. ``suspend_requested(job_id)``: a check
+    of how the executor delivered the suspend request, polled until true."""
+    ddp = [sys.executable, DDP_EXAMPLE, "--steps", "150", "--step-sleep", "0.05", "--backend", "gloo", "--log-every", "50"]
+    low = stack.submit(name="low", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
+    stack.wait_state(low["id"], {"running"})
+    wait_for(lambda: "first step done" in stack.logs(low["id"]), timeout=120, what="the LOW job to train")
+
+    high = stack.submit(name="high", priority="HIGH", nodes=1, gpus_per_node=2, command=["bash", "-c", "echo high ran"])
+    if suspend_requested is not None:
+        wait_for(lambda: suspend_requested(low["id"]), timeout=60, what="the suspend request to reach the LOW job")
+    # the LOW job is asked to suspend, checkpoints, and goes back to the queue
+    suspended = wait_for(lambda: (j := stack.job(low["id"]))["suspensions"] == 1 and j, timeout=120,
+                         what="the LOW job to be suspended")
+    assert suspended["last_checkpoint"] is not None, suspended["events"]
+    assert suspended["lost_gpu_s"] == 0, suspended["events"]
+    assert any("suspended at its checkpoint" in e["reason"] for e in suspended["events"]), suspended["events"]
+    assert any(e["to_state"] == "suspending" and "HIGH" in e["reason"] for e in suspended["events"]), suspended["events"]
+    # the HIGH job runs, on GPUs the LOW job freed
+    done_high = stack.wait_state(high["id"], TERMINAL, timeout=120)
+    assert done_high["state"] == "succeeded"
+    assert "high ran" in stack.logs(high["id"])
+    # the LOW job resumes from its checkpoint and finishes
+    done_low = stack.wait_state(low["id"], TERMINAL, timeout=240)
+    assert done_low["state"] == "succeeded", done_low
+    assert done_low["attempt"] == 2 and done_low["exit_code"] == 0
+    logs = stack.logs(low["id"])
+    assert f"resumed from {suspended['last_checkpoint']['path']}" in logs
+    assert "[attempt 1 rank 0] suspended at step" in logs
+    step, checksum = final_step(logs)
+
+    # the same training, never interrupted, ends at the same step with the same parameters
+    ref = stack.submit(name="reference", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
+    done_ref = stack.wait_state(ref["id"], TERMINAL, timeout=240)
+    assert done_ref["state"] == "succeeded" and done_ref["suspensions"] == 0
+    assert (step, checksum) == final_step(stack.logs(ref["id"]))
+    assert step == 150

@@ -4,19 +4,15 @@ The scheduler, the job-outcome rules and the SDK are the platform's own."""
 
 from __future__ import annotations
 
-import json
-import re
 import sys
 
 import pytest
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import DDP_EXAMPLE, TERMINAL, final_step, low_job_yields_to_high_job_and_resumes_exactly
 from tests.kube.stack import NAMESPACE, gpu_node, start_kube_stack, stop_kube_stack, wait_for
 
 pytest.importorskip("torch", reason="torch is installed by `make test` (torch==2.13.0)")
 
-EXAMPLE = str(REPO / "examples" / "haiscale_ddp.py")
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture
@@ -26,19 +22,13 @@ def kube(tmp_path):
     stop_kube_stack(ks)
 
 
-def _final(logs: str) -> tuple[int, str]:
-    m = re.search(r"\[(?:attempt \d+ )?rank 0\] final step=(\d+) checksum=(\w+)", logs)
-    assert m, logs[-2000:]
-    return int(m.group(1)), m.group(2)
-
-
 def _no_objects_left(kube, job_id: int) -> bool:
     return all(kube.objects(kind, job_id) == [] for kind in ("pods", "services", "configmaps"))
 
 
 def test_two_node_torch_job_runs_as_pinned_pods_and_succeeds(kube):
     stack = kube.stack
-    cmd = [sys.executable, EXAMPLE, "--steps", "40", "--step-sleep", "0.02", "--backend", "gloo", "--log-every", "20"]
+    cmd = [sys.executable, DDP_EXAMPLE, "--steps", "40", "--step-sleep", "0.02", "--backend", "gloo", "--log-every", "20"]
     job = stack.submit(name="ddp", nodes=2, gpus_per_node=2, job_type="torch", command=cmd)
     pods = wait_for(lambda: len(p := kube.job_pods(job["id"])) == 2 and p, timeout=60, what="one pod per node")
     by_node = {p["spec"]["nodeName"]: p for p in pods}
@@ -62,7 +52,7 @@ def test_two_node_torch_job_runs_as_pinned_pods_and_succeeds(kube):
     assert done["state"] == "succeeded", (done, stack.logs(job["id"])[-3000:])
     assert done["exit_code"] == 0
     logs = stack.logs(job["id"])
-    assert _final(logs)[0] == 40
+    assert final_step(logs)[0] == 40
     assert "\x1ehai-event" not in logs  # SDK events travel in the log stream but are not stored
     # finished and released: the parent is deleted, its Service and pods go with it
     wait_for(lambda: _no_objects_left(kube, job["id"]), timeout=60, what="the attempt's objects to be deleted")
@@ -70,37 +60,12 @@ def test_two_node_torch_job_runs_as_pinned_pods_and_succeeds(kube):
 
 
 def test_low_job_suspended_at_checkpoint_for_high_job_resumes_exactly(kube):
-    stack = kube.stack
-    ddp = [sys.executable, EXAMPLE, "--steps", "150", "--step-sleep", "0.05", "--backend", "gloo", "--log-every", "50"]
-    low = stack.submit(name="low", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
-    stack.wait_state(low["id"], {"running"})
-    wait_for(lambda: "first step done" in stack.logs(low["id"]), timeout=120, what="the LOW job to train")
+    def annotated(job_id: int) -> bool:
+        # the pods are told through their suspend annotation (downwardAPI volume -> SDK control dir)
+        pods = kube.job_pods(job_id)
+        return bool(pods) and all(p["metadata"].get("annotations", {}).get("hai.io/suspend") for p in pods)
 
-    high = stack.submit(name="high", priority="HIGH", nodes=1, gpus_per_node=2, command=["bash", "-c", "echo high ran"])
-    # the pods are told through their suspend annotation (downwardAPI volume -> SDK control dir)
-    wait_for(lambda: all(p["metadata"].get("annotations", {}).get("hai.io/suspend") for p in kube.job_pods(low["id"]))
-             and kube.job_pods(low["id"]), timeout=60, what="the suspend annotation on the LOW job's pods")
-    suspended = wait_for(lambda: (j := stack.job(low["id"]))["suspensions"] == 1 and j, timeout=120,
-                         what="the LOW job to be suspended")
-    assert suspended["last_checkpoint"] is not None, suspended["events"]
-    assert suspended["lost_gpu_s"] == 0, suspended["events"]
-    assert any("suspended at its checkpoint" in e["reason"] for e in suspended["events"]), suspended["events"]
-    done_high = stack.wait_state(high["id"], TERMINAL, timeout=120)
-    assert done_high["state"] == "succeeded"
-    assert "high ran" in stack.logs(high["id"])
-    done_low = stack.wait_state(low["id"], TERMINAL, timeout=240)
-    assert done_low["state"] == "succeeded", done_low
-    assert done_low["attempt"] == 2 and done_low["exit_code"] == 0
-    logs = stack.logs(low["id"])
-    assert f"resumed from {suspended['last_checkpoint']['path']}" in logs
-    assert "[attempt 1 rank 0] suspended at step" in logs
-    step, checksum = _final(logs)
-
-    ref = stack.submit(name="reference", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
-    done_ref = stack.wait_state(ref["id"], TERMINAL, timeout=240)
-    assert done_ref["state"] == "succeeded" and done_ref["suspensions"] == 0
-    assert (step, checksum) == _final(stack.logs(ref["id"]))
-    assert step == 150
+    low_job_yields_to_high_job_and_resumes_exactly(kube.stack, suspend_requested=annotated)
 
 
 def test_deaf_job_is_stopped_after_its_grace_period(kube):

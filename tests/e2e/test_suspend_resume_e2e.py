@@ -4,20 +4,16 @@ that ignores the request, and an agent restarted mid-job. Real agent and job pro
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import REPO, start_stack, stop_stack, wait_for
+from tests.e2e.conftest import TERMINAL, low_job_yields_to_high_job_and_resumes_exactly, start_stack, stop_stack, wait_for
 
 pytest.importorskip("torch", reason="torch is installed by `make test` (torch==2.13.0)")
 
-EXAMPLE = str(REPO / "examples" / "haiscale_ddp.py")
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture
@@ -27,45 +23,8 @@ def preempting_stack(tmp_path):
     stop_stack(s)
 
 
-def _final(logs: str) -> tuple[int, str]:
-    m = re.search(r"\[(?:attempt \d+ )?rank 0\] final step=(\d+) checksum=(\w+)", logs)
-    assert m, logs[-2000:]
-    return int(m.group(1)), m.group(2)
-
-
 def test_low_job_yields_to_high_job_and_resumes_exactly(preempting_stack):
-    stack = preempting_stack
-    ddp = [sys.executable, EXAMPLE, "--steps", "150", "--step-sleep", "0.05", "--backend", "gloo", "--log-every", "50"]
-    low = stack.submit(name="low", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
-    stack.wait_state(low["id"], {"running"})
-    wait_for(lambda: "first step done" in stack.logs(low["id"]), timeout=120, what="the LOW job to train")
-
-    high = stack.submit(name="high", priority="HIGH", nodes=1, gpus_per_node=2, command=["bash", "-c", "echo high ran"])
-    # the LOW job is asked to suspend, checkpoints, and goes back to the queue
-    suspended = wait_for(lambda: (j := stack.job(low["id"]))["suspensions"] == 1 and j, timeout=120,
-                         what="the LOW job to be suspended")
-    assert suspended["last_checkpoint"] is not None
-    assert suspended["lost_gpu_s"] == 0
-    assert any("suspended at its checkpoint" in e["reason"] for e in suspended["events"])
-    assert any(e["to_state"] == "suspending" and "HIGH" in e["reason"] for e in suspended["events"]), suspended["events"]
-    # the HIGH job runs, on GPUs the LOW job freed
-    done_high = stack.wait_state(high["id"], TERMINAL, timeout=120)
-    assert done_high["state"] == "succeeded"
-    # the LOW job resumes from its checkpoint and finishes
-    done_low = stack.wait_state(low["id"], TERMINAL, timeout=240)
-    assert done_low["state"] == "succeeded", done_low
-    assert done_low["attempt"] == 2 and done_low["exit_code"] == 0
-    logs = stack.logs(low["id"])
-    assert f"resumed from {suspended['last_checkpoint']['path']}" in logs
-    assert "[attempt 1 rank 0] suspended at step" in logs
-    step, checksum = _final(logs)
-
-    # the same training, never interrupted, ends at the same step with the same parameters
-    ref = stack.submit(name="reference", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
-    done_ref = stack.wait_state(ref["id"], TERMINAL, timeout=240)
-    assert done_ref["state"] == "succeeded" and done_ref["suspensions"] == 0
-    assert (step, checksum) == _final(stack.logs(ref["id"]))
-    assert step == 150
+    low_job_yields_to_high_job_and_resumes_exactly(preempting_stack)
 
 
 def test_job_ignoring_the_request_is_stopped_after_its_grace_period(preempting_stack):

@@ -5,16 +5,13 @@ kubelets live in the test process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 from kubernetes import client
 
-from tests.e2e.conftest import Stack, free_port, stop_stack, wait_for
+from tests.e2e.conftest import Stack, start_stack, stop_stack, wait_for
 from tests.kube.emulator import Cluster, api_for
 from tests.kube.kubelet import FakeKubelet, gpu_node
 
@@ -59,40 +56,15 @@ def start_kube_stack(tmp_path: Path, *, nodes: list[dict], kubelet_nodes: set[st
     else:
         cluster, kubelet, core = reuse.cluster, reuse.kubelet, reuse.core
     ckpt = tmp_path / "checkpoints"
-    port = free_port()
-    data_dir = tmp_path / "hai"
-    env = {
-        **os.environ, "PYTHONUNBUFFERED": "1", "HAI_FRONTEND_DIST": str(tmp_path / "no-dashboard"),
+    want = {n["metadata"]["name"] for n in nodes}
+    stack = start_stack(tmp_path, agents=0, extra_env={
         "HAI_EXECUTOR": "kubernetes", "HAI_KUBERNETES__KUBECONFIG": str(cluster.kubeconfig),
         "HAI_KUBERNETES__NAMESPACE": NAMESPACE, "HAI_KUBERNETES__PYTHON": sys.executable,
         # a shared filesystem for checkpoints, mounted at the same path in every pod
         "HAI_KUBERNETES__CHECKPOINT_HOST_PATH": str(ckpt), "HAI_KUBERNETES__CHECKPOINT_MOUNT": str(ckpt),
         "HAI_KUBERNETES__RECONCILE_INTERVAL_S": "0.2", "HAI_SCHEDULER__MIN_RUNTIME_S": "0",
         **(extra_env or {}),
-    }
-    log = (tmp_path / "dev.log").open("a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hai.cli.main", "dev", "--port", str(port), "--agents", "0", "--data-dir", str(data_dir)],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    want = {n["metadata"]["name"] for n in nodes}
-
-    def ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"hai dev exited with {proc.returncode}: {(tmp_path / 'dev.log').read_text()[-3000:]}")
-        token_file = data_dir / "admin-token"
-        if not token_file.exists():
-            return None
-        try:
-            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token_file.read_text().strip()}"}) as c:
-                got = c.get("/api/v1/nodes").json()
-        except (httpx.HTTPError, ValueError):
-            return None
-        return isinstance(got, list) and {n["name"] for n in got} >= want
-
-    wait_for(ready, timeout=90, what="hai dev (kubernetes mode) and its nodes")
-    stack = Stack(url=url, data_dir=data_dir, proc=proc, admin_token=(data_dir / "admin-token").read_text().strip())
+    }, nodes_ready=lambda got: {n["name"] for n in got} >= want, what="hai dev (kubernetes mode) and its nodes")
     return KubeStack(stack=stack, cluster=cluster, kubelet=kubelet, core=core, tmp=tmp_path)
 
 
