@@ -44,7 +44,11 @@ class SchedulerSettings(BaseModel):
     service_classes_gpu_s: tuple[float, ...] = _POLICY.service_classes_gpu_s
     starvation_factor: float = Field(default=_POLICY.starvation_factor, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
-    lock_id: int = 0x4841_4901  # PostgreSQL advisory lock key for the leader
+    lock_id: int = Field(default=0x4841_4901, ge=0, lt=2**31,
+                         description="PostgreSQL advisory lock key: the leader of epoch E holds (lock_id, E)")
+    lease_s: float = Field(default=10.0, gt=0, description=(
+        "the leader's lease: renewed every cycle; a leader silent this long (paused, partitioned) "
+        "is replaced and fenced off"))
 
     def policy(self) -> Policy:
         """The scheduling policy these settings describe (every field of ``Policy``)."""

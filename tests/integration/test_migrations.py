@@ -17,7 +17,8 @@ from hai.db.models import Base
 REPO = Path(__file__).resolve().parents[2]
 TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version",
           "node_events", "validation_runs", "validation_checks",
-          "gpu_samples", "metric_rollups", "gpu_status", "idempotency_keys"}
+          "gpu_samples", "metric_rollups", "gpu_status", "idempotency_keys",
+          "gpu_holds", "scheduler_leases"}
 
 
 def _diff(url: str) -> list:

@@ -17,6 +17,11 @@ from hai.services import notify
 from hai.services.auth import Principal
 from hai.services.errors import Conflict, Forbidden, Invalid, NotFound
 
+# session.info key: the scheduler leader's epoch, set by services.leader.fence in a fenced
+# transaction; the events (and allocations) that transaction writes carry it
+SCHEDULER_EPOCH = "scheduler_epoch"
+
+
 def publish_after_commit(session: Session, *topics: str) -> None:
     """Queue notifications; context.Platform publishes them once the transaction commits."""
     session.info.setdefault("notify", set()).update(topics)
@@ -33,7 +38,8 @@ def transition(session: Session, job: Job, target: JobState, *, reason: str, now
     except IllegalTransition as exc:
         raise Conflict(str(exc)) from exc
     job.state = target.value
-    job.events.append(JobEvent(at=now, from_state=current.value, to_state=target.value, reason=reason))
+    job.events.append(JobEvent(at=now, from_state=current.value, to_state=target.value, reason=reason,
+                               epoch=session.info.get(SCHEDULER_EPOCH)))
     if current.active and not target.active and job.attempt_started_at is not None:
         job.run_s += max(0.0, (now - job.attempt_started_at).total_seconds())
     if target == JobState.STARTING:
@@ -68,7 +74,8 @@ def _node_topics(job: Job) -> list[str]:
 
 def record_event(session: Session, job: Job, reason: str, *, now: datetime | None = None) -> None:
     """An event that is not a state change (a demotion, a placement note)."""
-    job.events.append(JobEvent(at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason))
+    job.events.append(JobEvent(at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason,
+                               epoch=session.info.get(SCHEDULER_EPOCH)))
 
 
 # -- submission and queries ----------------------------------------------------------------

@@ -17,6 +17,7 @@ from hai.domain.nodes import NodeState
 from hai.services import notify
 from hai.services.jobs import publish_after_commit, transition
 from hai.services.node_state import set_node_state
+from hai.services.reports import release
 from hai.settings import Settings
 
 
@@ -56,8 +57,7 @@ def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | Non
             )
         )
         for alloc in allocs:
-            alloc.active = False
-            alloc.released_at = now
+            release(alloc, now)
             job = alloc.job
             if alloc.attempt == job.attempt and JobState(job.state) in ACTIVE_STATES:
                 job.restarts += 1

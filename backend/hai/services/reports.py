@@ -49,8 +49,11 @@ def attempt_reports(job: Job) -> AttemptReports:
 
 
 def release(alloc: JobAllocation, now: datetime) -> None:
+    """The allocation's GPUs are free again: inactive, and its ``gpu_holds`` rows deleted in
+    the same transaction (the unique index over held GPUs admits them to another job)."""
     alloc.active = False
     alloc.released_at = now
+    alloc.holds.clear()
 
 
 def apply_reports(

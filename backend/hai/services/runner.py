@@ -9,7 +9,7 @@ import time
 
 from hai.services import notify, reaper
 from hai.services.context import Platform
-from hai.services.leader import NotLeader, leadership
+from hai.services.leader import Fenced, Lease, NotLeader, leadership
 from hai.services.scheduling import run_cycle
 
 log = logging.getLogger(__name__)
@@ -21,25 +21,40 @@ class SchedulerLoop:
         self.stop = stop or threading.Event()
         self.cycles = 0
         self.leading = threading.Event()
+        self.lease: Lease | None = None
 
     def run(self) -> None:
-        try:
-            with leadership(self.platform, stop=self.stop):
-                self.leading.set()
-                self._loop()
-        except NotLeader:
-            pass
-        finally:
-            self.leading.clear()
+        """Lead, cycle; when fenced off (another leader took over), wait to lead again."""
+        while not self.stop.is_set():
+            try:
+                with leadership(self.platform, stop=self.stop) as lease:
+                    self.lease = lease
+                    self.leading.set()
+                    self._loop(lease)
+            except Fenced as exc:
+                log.warning("scheduler: fenced off, no longer leading: %s", exc)
+            except NotLeader as exc:
+                if not self.stop.is_set():
+                    log.warning("scheduler: lost leadership: %s", exc)
+            except Exception:
+                log.exception("scheduler: leadership failed; trying again")
+                self.stop.wait(1.0)
+            finally:
+                self.leading.clear()
+                self.lease = None
 
-    def _loop(self) -> None:
-        interval = self.platform.settings.scheduler.interval_s
+    def _loop(self, lease: Lease | None = None) -> None:
+        interval = min(self.platform.settings.scheduler.interval_s, self.platform.settings.scheduler.lease_s / 3)
         notifier = self.platform.notifier
         while not self.stop.is_set():
             since = notifier.version(notify.SCHEDULER)
             t0 = time.perf_counter()
+            if lease is not None and not lease.alive():
+                raise NotLeader(f"the liveness lock of epoch {lease.epoch} is gone (its connection dropped)")
             try:
-                self.cycle_once()
+                self.cycle_once(lease)
+            except Fenced:
+                raise
             except Exception:
                 log.exception("scheduling cycle failed; retrying")
             self.cycles += 1
@@ -48,12 +63,12 @@ class SchedulerLoop:
                 break
             notifier.wait(notify.SCHEDULER, since, interval)
 
-    def cycle_once(self) -> None:
+    def cycle_once(self, lease: Lease | None = None) -> None:
         settings = self.platform.settings
         with self.platform.sessions() as session:
             reaper.mark_lost_nodes(session=session, settings=settings)
         with self.platform.sessions() as session:
-            run_cycle(session, settings=settings)
+            run_cycle(session, settings=settings, lease=lease)
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="hai-scheduler", daemon=True)

@@ -7,18 +7,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, Node, Quota, UserUsage
+from hai.db.models import GpuHold, Job, JobAllocation, Node, Quota, UserUsage
 from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
 from hai.domain.nodes import SCHEDULABLE_STATES
-from hai.services import notify
-from hai.services.jobs import publish_after_commit, record_event, transition
+from hai.services import faults, notify
+from hai.services.jobs import SCHEDULER_EPOCH, publish_after_commit, record_event, transition
 from hai.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from hai.services.leader import Lease
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +178,16 @@ def _pick_master_port(session: Session, *, node: str, base: int) -> int:
     return port
 
 
-def run_cycle(session: Session, *, settings: Settings, now: datetime | None = None) -> CycleResult:
-    """One full cycle in one transaction."""
+def run_cycle(
+    session: Session, *, settings: Settings, now: datetime | None = None, lease: "Lease | None" = None
+) -> CycleResult:
+    """One full cycle in one transaction. With ``lease`` (the scheduler process), the
+    transaction is fenced first: it fails with ``leader.Fenced`` and writes nothing unless
+    this leader's epoch is still current, and the rows it writes carry the epoch."""
+    if lease is not None:
+        from hai.services.leader import fence
+
+        fence(session, lease)
     now = now or utcnow()
     snapshot = load_snapshot(session, now=now, lost_after_s=settings.agent.lost_after_s)
     usage = _update_usage(session, snapshot, now=now, half_life_s=settings.scheduler.usage_half_life_s)
@@ -184,11 +196,23 @@ def run_cycle(session: Session, *, settings: Settings, now: datetime | None = No
     )
     decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp())
     apply_decisions(session, decisions, settings=settings, now=now)
+    if decisions.starts:
+        faults.stop_point("scheduler_before_commit")
     session.commit()
     return CycleResult(
         started=[s.job_id for s in decisions.starts],
         suspended=[s.job_id for s in decisions.suspends],
         snapshot_jobs=len(snapshot.running) + len(snapshot.queued),
+    )
+
+
+def new_allocation(session: Session, *, attempt: int, node: str, node_rank: int, gpus: list[int]) -> JobAllocation:
+    """An active allocation with one ``gpu_holds`` row per GPU: the unique index over held
+    (node, GPU) refuses, at flush, a GPU that another active allocation holds."""
+    return JobAllocation(
+        attempt=attempt, node_name=node, node_rank=node_rank, gpus=list(gpus),
+        epoch=session.info.get(SCHEDULER_EPOCH),
+        holds=[GpuHold(node_name=node, gpu=g) for g in gpus],
     )
 
 
@@ -218,12 +242,8 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         transition(session, job, JobState.STARTING, reason=f"placed: {start.reason}", now=now)
         for rank, alloc in enumerate(start.allocations):
             job.allocations.append(
-                JobAllocation(
-                    attempt=job.attempt,
-                    node_name=alloc.node,
-                    node_rank=rank,
-                    gpus=[indices[alloc.node][pos] for pos in alloc.gpus],
-                )
+                new_allocation(session, attempt=job.attempt, node=alloc.node, node_rank=rank,
+                               gpus=[indices[alloc.node][pos] for pos in alloc.gpus])
             )
         head = start.allocations[0].node
         job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"

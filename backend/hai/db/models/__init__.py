@@ -213,6 +213,8 @@ class JobEvent(Base):
     from_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
     to_state: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str] = mapped_column(Text, default="")
+    # the scheduler leader's epoch when a fenced scheduling transaction wrote it (else None)
+    epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     job: Mapped[Job] = relationship(back_populates="events")
 
@@ -237,8 +239,44 @@ class JobAllocation(Base):
     status: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     released_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # the epoch of the scheduler leader that decided it (services/leader.py)
+    epoch: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     job: Mapped[Job] = relationship(back_populates="allocations")
+    # one row per GPU held while ``active``; deleted with the release (services/reports.release)
+    holds: Mapped[list["GpuHold"]] = relationship(
+        back_populates="allocation", cascade="all, delete-orphan", passive_deletes=True, lazy="select",
+    )
+
+
+class GpuHold(Base):
+    """One GPU held by one active allocation. The unique constraint over (node, GPU) makes
+    double allocation impossible in the database itself, whatever the code above it does: a row
+    exists only while the GPU is held, and is written and deleted in the same transaction as the
+    allocation and its release."""
+
+    __tablename__ = "gpu_holds"
+    __table_args__ = (UniqueConstraint("node_name", "gpu", name="uq_gpu_holds_node_gpu"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    allocation_id: Mapped[int] = mapped_column(ForeignKey("job_allocations.id", ondelete="CASCADE"), index=True)
+    node_name: Mapped[str] = mapped_column(String(128))
+    gpu: Mapped[int] = mapped_column(Integer)  # the agent's GPU index
+
+    allocation: Mapped[JobAllocation] = relationship(back_populates="holds")
+
+
+class SchedulerLease(Base):
+    """Leadership of the scheduler, fenced (services/leader.py): each new leader bumps ``epoch``;
+    every transaction that writes scheduling decisions locks this row and checks that its epoch
+    is still current and the lease unexpired."""
+
+    __tablename__ = "scheduler_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(256), default="")
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class LogLine(Base):
@@ -282,8 +320,8 @@ class UserUsage(Base):
 from hai.db.models.metrics import GpuSample, GpuStatus, MetricRollup  # noqa: E402
 
 __all__ = [
-    "ApiToken", "Base", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
-    "NodeEvent", "Quota", "User", "UserUsage", "ValidationCheck", "ValidationRun",
+    "ApiToken", "Base", "GpuHold", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
+    "NodeEvent", "Quota", "SchedulerLease", "User", "UserUsage", "ValidationCheck", "ValidationRun",
 ]
 
 
