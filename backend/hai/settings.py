@@ -27,6 +27,10 @@ class DatabaseSettings(BaseModel):
 class RedisSettings(BaseModel):
     # empty: no Redis; events and locks stay in-process (embedded mode)
     url: str = ""
+    poll_s: float = Field(default=1.0, gt=0, description=(
+        "without Redis, waits that another process would end (an agent's long poll, a followed "
+        "log) re-read the database at least this often, so several API replicas and a separate "
+        "scheduler still work, with up to this much more latency"))
 
 
 class SchedulerSettings(BaseModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
@@ -34,14 +36,26 @@ async def heartbeat(hb: Heartbeat, platform: PlatformDep, _agent: AgentPrincipal
     reply = await run_in_threadpool(_apply)
     if hb.wait_s <= 0 or reply.reregister or reply.assignments_digest != hb.assignments_digest:
         return reply
-    if not await platform.notifier.wait_async(topic, since, hb.wait_s):
-        return reply
 
     def _current() -> ServerReply:
         with platform.sessions() as session:
             return agent_service.current_reply(session=session, node_name=hb.node, settings=platform.settings)
 
-    return await run_in_threadpool(_current)
+    notifier = platform.notifier
+    deadline = time.monotonic() + hb.wait_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return reply
+        if await notifier.wait_async(topic, since, notifier.bounded(remaining)):
+            return await run_in_threadpool(_current)
+        if notifier.poll_s is None:
+            return reply
+        # no Redis: the scheduler or another replica may have changed the assignments unheard
+        since = notifier.version(topic)
+        reply = await run_in_threadpool(_current)
+        if reply.assignments_digest != hb.assignments_digest:
+            return reply
 
 
 @router.post("/logs", response_model=LogAck)

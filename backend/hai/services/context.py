@@ -23,7 +23,7 @@ class Platform:
     def from_settings(cls, settings: Settings, *, notifier: Notifier | None = None) -> "Platform":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         engine = make_engine(settings.database_url, echo=settings.db.echo)
-        notifier = notifier or make_notifier(settings.redis.url)
+        notifier = notifier or make_notifier(settings.redis.url, poll_s=settings.redis.poll_s)
         sessions = make_session_factory(engine)
         _publish_on_commit(sessions, notifier)
         return cls(settings=settings, engine=engine, sessions=sessions, notifier=notifier)

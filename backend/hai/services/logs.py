@@ -166,6 +166,7 @@ async def follow(
             since = platform.notifier.version(topic)
             p = await anyio.to_thread.run_sync(page, p.cursor)
             if not p.more and not p.state.terminal:
-                await platform.notifier.wait_async(topic, since, wait_s)
+                # without Redis the lines may arrive through another replica: re-read soon
+                await platform.notifier.wait_async(topic, since, platform.notifier.bounded(wait_s))
 
     return stream()

@@ -29,9 +29,20 @@ def job_topic(job_id: int) -> str:
 
 
 class Notifier:
-    """In-process topics with a version counter; waiters are threads or asyncio tasks."""
+    """In-process topics with a version counter; waiters are threads or asyncio tasks.
 
-    def __init__(self) -> None:
+    Alone (no Redis), it cannot hear what other processes publish: ``poll_s`` then bounds every
+    wait that another process may need to end (``bounded``), and the waiter re-reads the
+    database; with Redis, ``poll_s`` is None and waits last as long as their callers ask."""
+
+    poll_s: float | None = None
+
+    def bounded(self, timeout: float) -> float:
+        """``timeout``, capped at ``poll_s`` when notifications do not cross processes."""
+        return timeout if self.poll_s is None else min(timeout, self.poll_s)
+
+    def __init__(self, *, poll_s: float | None = None) -> None:
+        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._versions: dict[str, int] = defaultdict(int)
@@ -136,5 +147,6 @@ class RedisNotifier(Notifier):
             pass
 
 
-def make_notifier(redis_url: str) -> Notifier:
-    return RedisNotifier(redis_url) if redis_url else Notifier()
+def make_notifier(redis_url: str, *, poll_s: float | None = None) -> Notifier:
+    """With Redis, wake-ups cross processes; without, waits are bounded by ``poll_s``."""
+    return RedisNotifier(redis_url) if redis_url else Notifier(poll_s=poll_s)
