@@ -22,6 +22,7 @@ from hai.db.migrate import upgrade
 from hai.db.models import GpuHold, Job, JobAllocation, JobEvent, SchedulerLease
 from hai.domain import scheduler as sched
 from hai.main import create_app
+from hai.services import auth
 from hai.services.context import Platform
 from hai.services.reports import release
 from hai.services.scheduling import apply_decisions, run_cycle
@@ -265,3 +266,57 @@ def test_the_database_refuses_to_give_a_gpu_twice(backend, request, tmp_path):
         with platform.sessions() as s:
             assert sorted(s.scalars(select(GpuHold.gpu))) == [2, 5]
         assert_each_gpu_held_once(platform)
+
+
+def test_fence_on_sqlite_refuses_a_superseded_leader(tmp_path):
+    """The same fence on SQLite (the embedded mode): B takes over once A's lease ran out; A's
+    next fenced transaction fails and what it wrote is rolled back."""
+    import threading
+
+    from hai.services.leader import Fenced, fence, leadership
+
+    url = f"sqlite:///{tmp_path / 'hai.db'}"
+    upgrade(url)
+
+    def platform() -> Platform:
+        return Platform.from_settings(Settings(data_dir=tmp_path, db={"url": url}, frontend_dist=tmp_path / "none",
+                                               scheduler={"lease_s": 1.0}))
+
+    pa, pb = platform(), platform()
+    stop = threading.Event()
+    try:
+        with leadership(pa, stop=stop) as la:
+            with pa.sessions() as s:
+                fence(s, la)
+                s.commit()
+            b_leads = threading.Event()
+            b_lease = []
+
+            def b() -> None:
+                with leadership(pb, stop=stop, poll_s=0.1) as lb:
+                    b_lease.append(lb)
+                    b_leads.set()
+                    stop.wait(60)
+
+            t = threading.Thread(target=b)
+            t.start()
+            assert b_leads.wait(60)  # A is silent past its lease (same process: not known dead)
+            assert (la.epoch, b_lease[0].epoch) == (1, 2)
+            with pa.sessions() as s:
+                api_user, _ = auth.create_user(session=s, name="u", group="g")
+            with pa.sessions() as s:
+                s.add(Job(name="late", user_id=api_user.id, user_name="u", group="g", command=["true"],
+                          queued_at=utcnow()))
+                with pytest.raises(Fenced, match="superseded"):
+                    fence(s, la)
+                s.rollback()
+            with pb.sessions() as s:
+                assert s.scalars(select(Job)).all() == []
+                fence(s, b_lease[0])
+                s.commit()
+            stop.set()
+            t.join(30)
+    finally:
+        stop.set()
+        pa.close()
+        pb.close()

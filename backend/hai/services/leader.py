@@ -82,21 +82,34 @@ def db_now(session: Session) -> datetime:
 def fence(session: Session, lease: Lease) -> None:
     """Call first in a transaction that writes scheduling decisions: lock the lease row, raise
     ``Fenced`` unless ``lease`` is still the current, unexpired term, and renew it. The lock is
-    held until the transaction ends, so no new leader can take over while it writes."""
+    held until the transaction ends, so no new leader can take over while it writes. One
+    statement: a conditional UPDATE checks, locks and renews at once."""
     if _is_pg(session):
         ms = max(1000, int(lease.lease_s * 1000))
-        session.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {ms}"))
-    row = session.scalars(
-        select(SchedulerLease).where(SchedulerLease.name == lease.name).with_for_update()
-    ).one_or_none()
-    now = db_now(session)
-    if row is None or row.epoch != lease.epoch or row.holder != lease.holder:
-        current = f"epoch {row.epoch} of {row.holder}" if row is not None else "no lease"
-        raise Fenced(f"epoch {lease.epoch} superseded ({current})")
-    if row.expires_at <= now:
+        renewed = session.execute(text(
+            "UPDATE scheduler_leases SET expires_at = clock_timestamp() + make_interval(secs => :s) "
+            "WHERE name = :n AND epoch = :e AND holder = :h AND expires_at > clock_timestamp() "
+            # a leader paused inside this transaction: the server ends it after the lease
+            "RETURNING set_config('idle_in_transaction_session_timeout', :ms, true)"
+        ), {"s": lease.lease_s, "n": lease.name, "e": lease.epoch, "h": lease.holder, "ms": str(ms)}).all()
+    else:  # SQLite: this transaction holds the database's write lock since BEGIN IMMEDIATE
+        now = utcnow()
+        renewed = session.execute(
+            update(SchedulerLease)
+            .where(SchedulerLease.name == lease.name, SchedulerLease.epoch == lease.epoch,
+                   SchedulerLease.holder == lease.holder, SchedulerLease.expires_at > now)
+            .values(expires_at=now + timedelta(seconds=lease.lease_s))
+            .returning(SchedulerLease.epoch)
+        ).all()
+    if not renewed:
+        row = session.execute(
+            select(SchedulerLease.epoch, SchedulerLease.holder, SchedulerLease.expires_at)
+            .where(SchedulerLease.name == lease.name)
+        ).one_or_none()
+        if row is None or row.epoch != lease.epoch or row.holder != lease.holder:
+            current = f"epoch {row.epoch} of {row.holder}" if row is not None else "no lease"
+            raise Fenced(f"epoch {lease.epoch} superseded ({current})")
         raise Fenced(f"the lease of epoch {lease.epoch} ran out at {row.expires_at.isoformat()}")
-    row.expires_at = now + timedelta(seconds=lease.lease_s)
-    session.flush()
     session.info[SCHEDULER_EPOCH] = lease.epoch
 
 
