@@ -6,7 +6,7 @@ HAI_TEST_DATABASE_URL): takes the scheduler lease, then times
     row; COMMIT): the fence's own price per cycle;
   - starting jobs through services.scheduling.apply_decisions, 125 jobs of 8 GPUs a cycle (the
     Fire-Flyer benchmark's starts per cycle), with their gpu_holds rows (1,000 per cycle), and
-    the same with the holds' rows removed from the session before the flush (what the holds add).
+    the same with the holds' rows not written (what the holds add).
 
     python benchmarks/leader_fence.py --repeat 200 --out benchmarks/results/leader_fence.json
 """
@@ -84,7 +84,7 @@ def main() -> None:
                 s.commit()
                 user, _ = auth.create_user(session=s, name="u", group="g")
             timings: dict[str, list[float]] = {"with_holds": [], "without_holds": []}
-            with_holds = scheduling.new_allocation
+            with_holds = scheduling.hold_gpus
             for cycle in range(args.cycles * 2):
                 kind = "with_holds" if cycle % 2 == 0 else "without_holds"
                 with platform.sessions() as s:
@@ -98,11 +98,8 @@ def main() -> None:
                 with platform.sessions() as s:
                     t0 = time.perf_counter()
                     fence(s, lease)
-                    if kind == "without_holds":  # the same allocations without their holds' rows
-                        scheduling.new_allocation = lambda session, **kw: JobAllocation(
-                            attempt=kw["attempt"], node_name=kw["node"], node_rank=kw["node_rank"], gpus=list(kw["gpus"]))
-                    else:
-                        scheduling.new_allocation = with_holds
+                    # without: the same allocations, their holds' rows not written
+                    scheduling.hold_gpus = (lambda session, allocations: None) if kind == "without_holds" else with_holds
                     apply_decisions(s, decisions, settings=platform.settings, now=utcnow())
                     s.commit()
                     timings[kind].append(time.perf_counter() - t0)
@@ -112,7 +109,7 @@ def main() -> None:
                     s.execute(delete(JobAllocation))
                     s.execute(delete(Job))
                     s.commit()
-            scheduling.new_allocation = with_holds
+            scheduling.hold_gpus = with_holds
             result["start_125_jobs_of_8_gpus"] = {k: ms(v) for k, v in timings.items()}
         platform.close()
     finally:

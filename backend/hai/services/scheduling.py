@@ -207,12 +207,18 @@ def run_cycle(
 
 
 def new_allocation(session: Session, *, attempt: int, node: str, node_rank: int, gpus: list[int]) -> JobAllocation:
-    """An active allocation with one ``gpu_holds`` row per GPU: the unique index over held
-    (node, GPU) refuses, at flush, a GPU that another active allocation holds."""
+    """An active allocation; ``hold_gpus`` writes its ``gpu_holds`` rows once it has an id."""
     return JobAllocation(
         attempt=attempt, node_name=node, node_rank=node_rank, gpus=list(gpus),
         epoch=session.info.get(SCHEDULER_EPOCH),
-        holds=[GpuHold(node_name=node, gpu=g) for g in gpus],
+    )
+
+
+def hold_gpus(session: Session, allocations: list[JobAllocation]) -> None:
+    """One ``gpu_holds`` row per GPU of these (flushed) allocations, in one INSERT at the next
+    flush: the unique index over held (node, GPU) refuses a GPU another allocation holds."""
+    session.add_all(
+        GpuHold(allocation_id=a.id, node_name=a.node_name, gpu=g) for a in allocations for g in a.gpus
     )
 
 
@@ -235,22 +241,27 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         job.priority = demote.to.value
         record_event(session, job, demote.reason, now=now)
 
+    started: list[JobAllocation] = []
     for start in decisions.starts:
         job = jobs.get(start.job_id)
         if job is None or job.state != JobState.QUEUED.value or job.user_suspended:
             continue  # changed since the snapshot (cancelled, held): skip, next cycle re-plans
         transition(session, job, JobState.STARTING, reason=f"placed: {start.reason}", now=now)
         for rank, alloc in enumerate(start.allocations):
-            job.allocations.append(
-                new_allocation(session, attempt=job.attempt, node=alloc.node, node_rank=rank,
-                               gpus=[indices[alloc.node][pos] for pos in alloc.gpus])
-            )
+            allocation = new_allocation(session, attempt=job.attempt, node=alloc.node, node_rank=rank,
+                                        gpus=[indices[alloc.node][pos] for pos in alloc.gpus])
+            job.allocations.append(allocation)
+            started.append(allocation)
         head = start.allocations[0].node
         job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"
         job.master_port = _pick_master_port(session, node=head, base=settings.agent.master_port_base)
         job.placement_reason = start.reason
         session.flush()
         publish_after_commit(session, *(notify.node_topic(a.node) for a in start.allocations))
+
+    if started:
+        hold_gpus(session, started)  # one INSERT for every GPU this cycle hands out
+        session.flush()
 
     for suspend in decisions.suspends:
         job = jobs.get(suspend.job_id)
