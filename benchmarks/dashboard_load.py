@@ -37,7 +37,8 @@ import httpx  # noqa: E402
 from hai.db.base import utcnow  # noqa: E402
 from hai.db.migrate import upgrade  # noqa: E402
 from hai.db.models import Job, JobAllocation, JobEvent, Node  # noqa: E402
-from hai.services import auth  # noqa: E402
+from hai.protocol import GpuMetrics  # noqa: E402
+from hai.services import auth, metrics_store  # noqa: E402
 from hai.services.context import Platform  # noqa: E402
 from hai.settings import Settings  # noqa: E402
 
@@ -72,13 +73,15 @@ def seed(settings: Settings, n_nodes: int, n_jobs: int) -> str:
         nodes = []
         for i in range(n_nodes):
             zone = "A" if i < n_nodes // 2 else "B"
-            nodes.append(Node(
+            node = Node(
                 name=f"node-{i + 1:04d}", zone=zone, leaf=f"{zone}-leaf{(i % (n_nodes // 2)) // 20 + 1:02d}", gpus=8,
                 state=rng.choice(["ready"] * 40 + ["draining", "drained", "unhealthy", "lost"]),
                 last_heartbeat_at=now, gpu_inventory=[{"index": g, "uuid": f"G{i}-{g}", "model": "A100", "memory_total_mib": 40960} for g in range(8)],
-                gpu_metrics=[{"index": g, "uuid": f"G{i}-{g}", "util_pct": round(rng.uniform(0, 100), 1), "memory_used_mib": 1000,
-                              "memory_total_mib": 40960, "temperature_c": 50.0, "power_w": 200.0} for g in range(8)],
-            ))
+            )
+            metrics_store.set_latest_gpus(node, [  # as the heartbeat leaves them
+                GpuMetrics(index=g, uuid=f"G{i}-{g}", util_pct=round(rng.uniform(0, 100), 1), memory_used_mib=1000,
+                           memory_total_mib=40960, temperature_c=50.0, power_w=200.0) for g in range(8)], settings)
+            nodes.append(node)
         s.add_all(nodes)
         s.flush()
         for j in range(n_jobs):

@@ -62,11 +62,13 @@ def _seed(sessions, nodes: int, gpus: int) -> list[str]:
     names = [f"n{i:04d}" for i in range(nodes)]
     with sessions() as s:
         s.add(User(id=1, name="bench", group="bench"))
-        s.add_all(Node(name=n, zone="A" if i < nodes // 2 else "B", leaf=f"L{i // 20:02d}", gpus=gpus,
-                       gpu_metrics=[{"index": g, "uuid": f"GPU-{n}-{g}", "util_pct": 50.0, "memory_used_mib": 1000,
-                                     "memory_total_mib": 40960, "temperature_c": 50.0, "power_w": 200.0,
-                                     "ecc_uncorrected": 0} for g in range(gpus)])  # as the heartbeat leaves them
-                  for i, n in enumerate(names))
+        settings = Settings()
+        for i, n in enumerate(names):
+            node = Node(name=n, zone="A" if i < nodes // 2 else "B", leaf=f"L{i // 20:02d}", gpus=gpus)
+            metrics_store.set_latest_gpus(node, [  # as the heartbeat leaves them
+                GpuMetrics(index=g, uuid=f"GPU-{n}-{g}", util_pct=50.0, memory_used_mib=1000, memory_total_mib=40960,
+                           temperature_c=50.0, power_w=200.0, ecc_uncorrected=0) for g in range(gpus)], settings)
+            s.add(node)
         s.flush()
         jid = 0
         for n in names:  # half of each node's GPUs held, by 4-GPU jobs
