@@ -116,7 +116,11 @@ def free_port() -> int:
 def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
     from playwright.sync_api import sync_playwright
 
-    out: dict[str, list[float]] = {"jobs": [], "cluster": []}
+    out: dict[str, list[float]] = {"jobs": [], "cluster": [], "tree_response": [], "tree_render": []}
+    # where a /cluster load's time goes: navigation start -> the tree's response has arrived
+    # (app start + the server's answer), and from there until every node link is in the DOM
+    tree_js = ("(() => { const r = performance.getEntriesByType('resource')"
+               ".filter((e) => new URL(e.name).pathname === '/api/v1/cluster/nodes'); return r.length ? r[0].responseEnd : null })()")
     with tempfile.TemporaryDirectory(prefix="hai-bench-chromium-") as profile, sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=FLAGS,
                                                    viewport={"width": 1400, "height": 900})
@@ -130,6 +134,9 @@ def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
             page.goto(url + "/cluster")
             page.wait_for_function(f"document.querySelectorAll('a.node').length === {n_nodes}")
             out["cluster"].append(page.evaluate("performance.now()"))
+            arrived = page.evaluate(tree_js)
+            out["tree_response"].append(arrived)
+            out["tree_render"].append(out["cluster"][-1] - arrived)
             if i == 0:
                 shots = REPO / "test-results" / "bench"
                 shots.mkdir(parents=True, exist_ok=True)
@@ -147,6 +154,8 @@ def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
         "cluster_first_load_ms": round(out["cluster"][0]),
         "cluster_reload_median_ms": round(statistics.median(out["cluster"][1:])),
         "cluster_reload_min_ms": round(min(out["cluster"][1:])),
+        "cluster_tree_response_ms": [round(x) for x in out["tree_response"]],
+        "cluster_tree_render_ms": [round(x) for x in out["tree_render"]],
         "job_rows_in_dom": rows_in_dom,
     }
 
