@@ -153,6 +153,7 @@ describe('helpers', () => {
     expect(timelineLabel(null, 'queued', false)).toBe('queued')
     expect(timelineLabel('running', 'suspending', false)).toBe('suspend requested')
     expect(timelineLabel('suspending', 'queued', false)).toBe('suspended')
+    expect(timelineLabel('queued', 'queued', true)).toBe('resume requested')
     expect(timelineLabel('queued', 'starting', true)).toBe('resumed')
     expect(timelineLabel('running', 'cancelled', true)).toBe('finished (cancelled)')
   })

@@ -15,6 +15,7 @@ export function timelineLabel(from: string | null | undefined, to: string, suspe
   if (!from && to === 'queued') return 'queued'
   if (to === 'suspending') return 'suspend requested'
   if (from === 'suspending' && to === 'queued') return 'suspended'
+  if (from === 'queued' && to === 'queued' && suspendedBefore) return 'resume requested'  // released by its owner, waits for GPUs
   if (to === 'starting') return suspendedBefore ? 'resumed' : 'started'
   if (to === 'running') return 'running'
   if (TERMINAL.has(to)) return `finished (${to})`

@@ -23,7 +23,7 @@ function AdminActions({ name, state }: { name: string; state: string }) {
   const refused = failedChecks(act.error)
   function drain(e: FormEvent) {
     e.preventDefault()
-    act.mutate({ kind: 'drain', reason })
+    act.mutate({ kind: 'drain', reason }, { onSuccess: () => setReason('') })
   }
   const drainable = state === 'ready' || state === 'unhealthy'
   return (
