@@ -37,7 +37,8 @@ import httpx  # noqa: E402
 from hai.db.base import utcnow  # noqa: E402
 from hai.db.migrate import upgrade  # noqa: E402
 from hai.db.models import Job, JobAllocation, JobEvent, Node  # noqa: E402
-from hai.services import auth  # noqa: E402
+from hai.protocol import GpuMetrics  # noqa: E402
+from hai.services import auth, metrics_store  # noqa: E402
 from hai.services.context import Platform  # noqa: E402
 from hai.settings import Settings  # noqa: E402
 
@@ -72,13 +73,15 @@ def seed(settings: Settings, n_nodes: int, n_jobs: int) -> str:
         nodes = []
         for i in range(n_nodes):
             zone = "A" if i < n_nodes // 2 else "B"
-            nodes.append(Node(
+            node = Node(
                 name=f"node-{i + 1:04d}", zone=zone, leaf=f"{zone}-leaf{(i % (n_nodes // 2)) // 20 + 1:02d}", gpus=8,
                 state=rng.choice(["ready"] * 40 + ["draining", "drained", "unhealthy", "lost"]),
                 last_heartbeat_at=now, gpu_inventory=[{"index": g, "uuid": f"G{i}-{g}", "model": "A100", "memory_total_mib": 40960} for g in range(8)],
-                gpu_metrics=[{"index": g, "uuid": f"G{i}-{g}", "util_pct": round(rng.uniform(0, 100), 1), "memory_used_mib": 1000,
-                              "memory_total_mib": 40960, "temperature_c": 50.0, "power_w": 200.0} for g in range(8)],
-            ))
+            )
+            metrics_store.set_latest_gpus(node, [  # as the heartbeat leaves them
+                GpuMetrics(index=g, uuid=f"G{i}-{g}", util_pct=round(rng.uniform(0, 100), 1), memory_used_mib=1000,
+                           memory_total_mib=40960, temperature_c=50.0, power_w=200.0) for g in range(8)], settings)
+            nodes.append(node)
         s.add_all(nodes)
         s.flush()
         for j in range(n_jobs):
@@ -113,7 +116,11 @@ def free_port() -> int:
 def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
     from playwright.sync_api import sync_playwright
 
-    out: dict[str, list[float]] = {"jobs": [], "cluster": []}
+    out: dict[str, list[float]] = {"jobs": [], "cluster": [], "tree_response": [], "tree_render": []}
+    # where a /cluster load's time goes: navigation start -> the tree's response has arrived
+    # (app start + the server's answer), and from there until every node link is in the DOM
+    tree_js = ("(() => { const r = performance.getEntriesByType('resource')"
+               ".filter((e) => new URL(e.name).pathname === '/api/v1/cluster/nodes'); return r.length ? r[0].responseEnd : null })()")
     with tempfile.TemporaryDirectory(prefix="hai-bench-chromium-") as profile, sync_playwright() as p:
         ctx = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=FLAGS,
                                                    viewport={"width": 1400, "height": 900})
@@ -127,6 +134,9 @@ def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
             page.goto(url + "/cluster")
             page.wait_for_function(f"document.querySelectorAll('a.node').length === {n_nodes}")
             out["cluster"].append(page.evaluate("performance.now()"))
+            arrived = page.evaluate(tree_js)
+            out["tree_response"].append(arrived)
+            out["tree_render"].append(out["cluster"][-1] - arrived)
             if i == 0:
                 shots = REPO / "test-results" / "bench"
                 shots.mkdir(parents=True, exist_ok=True)
@@ -144,6 +154,8 @@ def measure(url: str, token: str, n_nodes: int, reloads: int) -> dict:
         "cluster_first_load_ms": round(out["cluster"][0]),
         "cluster_reload_median_ms": round(statistics.median(out["cluster"][1:])),
         "cluster_reload_min_ms": round(min(out["cluster"][1:])),
+        "cluster_tree_response_ms": [round(x) for x in out["tree_response"]],
+        "cluster_tree_render_ms": [round(x) for x in out["tree_render"]],
         "job_rows_in_dom": rows_in_dom,
     }
 

@@ -1,5 +1,6 @@
 """The metrics store on PostgreSQL: bucket writes, rollup upserts from two writers, and the
-JSON-function queries of the cluster view (the API tests run them on SQLite)."""
+cluster view's figures (the latest heartbeat's, folded into the node's columns; the API tests run
+them on SQLite)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def test_metrics_store_on_postgres(pg_url):
     try:
         with sessions() as s:
             s.add(User(id=1, name="u", group="g"))
-            s.add_all([Node(name="n0", zone="A", leaf="A1", gpus=4, gpu_metrics=[g.model_dump() for g in _gpus({0: 90.0})]),
-                       Node(name="n1", zone="B", leaf="B1", gpus=4, gpu_metrics=None)])
+            n0 = Node(name="n0", zone="A", leaf="A1", gpus=4)
+            metrics_store.set_latest_gpus(n0, _gpus({0: 90.0}), settings)  # as the heartbeat does
+            s.add_all([n0, Node(name="n1", zone="B", leaf="B1", gpus=4, gpu_metrics=None)])
             s.flush()
             s.add(Job(id=1, name="j", user_id=1, user_name="u", group="g", command=["x"], state="running"))
             s.flush()

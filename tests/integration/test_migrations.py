@@ -64,3 +64,23 @@ def test_alembic_command_line_reads_the_url_from_settings(pg_url):
     )
     assert out.returncode == 0, out.stderr
     assert _tables(pg_url) == TABLES
+
+
+def test_node_gpu_figure_columns_are_filled_from_the_latest_heartbeat(any_url):
+    """0012 folds the nodes' stored gpu_metrics into gpu_util_pct / gpus_busy (busy at >= 5%)."""
+    from sqlalchemy import text
+
+    upgrade(any_url, "0006")
+    engine = create_engine(any_url)
+    with engine.begin() as c:
+        for name, metrics in (("a", '[{"index": 0, "util_pct": 90.0}, {"index": 1, "util_pct": 2.0}]'), ("b", "[]")):
+            c.execute(text("INSERT INTO nodes (name, zone, leaf, gpus, state, address, fake_gpus, gpu_inventory, gpu_metrics,"
+                           " nics, agent_version, protocol_version, registered_at, state_reason, labels_from_topology,"
+                           " heartbeats_since_quick) VALUES (:n, 'z', 'l', 2, 'ready', '', false, '[]', :m, '[]', '', 1,"
+                           " CURRENT_TIMESTAMP, '', false, 0)"), {"n": name, "m": metrics})
+    upgrade(any_url)
+    with engine.connect() as c:
+        rows = dict((n, (u, b)) for n, u, b in c.execute(text("SELECT name, gpu_util_pct, gpus_busy FROM nodes")))
+    engine.dispose()
+    assert rows == {"a": (46.0, 1), "b": (None, 0)}
+    downgrade(any_url, "0006")

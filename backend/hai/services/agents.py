@@ -83,7 +83,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
     node.last_heartbeat_at = now
     if hb.gpus:
-        node.gpu_metrics = [g.model_dump() for g in hb.gpus]
+        metrics_store.set_latest_gpus(node, hb.gpus, settings)
     metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     allocs = active_allocations(session, node.name)
     reported = reports.apply_reports(session, allocs, hb.attempts, now=now)

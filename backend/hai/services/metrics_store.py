@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Iterable, Sequence
 
-from sqlalchemy import Engine, delete, func, insert, select, text
+from sqlalchemy import Engine, delete, func, insert, select
 from sqlalchemy.orm import Session
 
 from hai.db.models import GpuSample, GpuStatus, Job, JobAllocation, MetricRollup
@@ -415,19 +415,20 @@ def idle_allocations(*, session: Session, now: datetime, settings: Settings) -> 
     return out
 
 
-def _node_gpu_stats(session: Session, busy_at: float) -> dict[str, tuple[float | None, int]]:
-    """Per node, from the latest heartbeat's GPU figures: (mean utilisation, GPUs at or above
-    ``busy_at``), computed by the database's JSON functions (no blobs parsed in Python)."""
-    if session.get_bind().dialect.name == "postgresql":
-        sql = ("SELECT n.name, avg((e->>'util_pct')::float), count(*) FILTER (WHERE (e->>'util_pct')::float >= :t) "
-               "FROM nodes n CROSS JOIN LATERAL json_array_elements(CASE WHEN json_typeof(n.gpu_metrics) = 'array' "
-               "THEN n.gpu_metrics ELSE '[]'::json END) e GROUP BY n.name")
-    else:
-        sql = ("SELECT n.name, avg(json_extract(e.value, '$.util_pct')), "
-               "sum(CASE WHEN json_extract(e.value, '$.util_pct') >= :t THEN 1 ELSE 0 END) "
-               "FROM nodes n, json_each(n.gpu_metrics) e WHERE json_type(n.gpu_metrics) = 'array' GROUP BY n.name")
-    return {name: (float(avg) if avg is not None else None, int(busy or 0))
-            for name, avg, busy in session.execute(text(sql), {"t": busy_at})}
+def latest_gpu_figures(gpus: Sequence, busy_util_pct: float) -> tuple[float | None, int]:  # noqa: ANN001
+    """(mean utilisation over the GPUs reporting one, or None; GPUs at or above ``busy_util_pct``)."""
+    utils = [float(g.util_pct) for g in gpus if getattr(g, "util_pct", None) is not None]
+    if not utils:
+        return None, 0
+    return sum(utils) / len(utils), sum(1 for u in utils if u >= busy_util_pct)
+
+
+def set_latest_gpus(node, gpus: Sequence, settings: Settings) -> None:  # noqa: ANN001
+    """Keep a heartbeat's GPU figures on the node (``gpu_metrics``) with their mean utilisation
+    and busy count folded into two columns, which the cluster summary and tree read (no JSON
+    scan of every node's GPUs per page load)."""
+    node.gpu_metrics = [g.model_dump() for g in gpus]
+    node.gpu_util_pct, node.gpus_busy = latest_gpu_figures(gpus, settings.metrics.busy_util_pct)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,13 +443,14 @@ class ClusterSummary:
 def cluster_summary(*, session: Session, settings: Settings) -> ClusterSummary:
     from hai.db.models import Node
 
-    gpus = int(session.scalar(select(func.coalesce(func.sum(Node.gpus), 0))) or 0)
-    busy = sum(b for _u, b in _node_gpu_stats(session, settings.metrics.busy_util_pct).values())
-    allocated = sum(len(g or ()) for g in session.scalars(select(JobAllocation.gpus).where(JobAllocation.active.is_(True))))
+    gpus, busy = session.execute(select(func.coalesce(func.sum(Node.gpus), 0), func.coalesce(func.sum(Node.gpus_busy), 0))).one()
+    allocated = int(session.scalar(  # counted by the database: no GPU list decoded here
+        select(func.coalesce(func.sum(func.json_array_length(JobAllocation.gpus)), 0)).where(JobAllocation.active.is_(True))
+    ) or 0)
     queued = {p: int(c) for p, c in session.execute(
         select(Job.priority, func.count()).where(Job.state == "queued").group_by(Job.priority))}
     running = session.scalar(select(func.count()).select_from(Job).where(Job.state == "running")) or 0
-    return ClusterSummary(gpus=gpus, allocated_gpus=allocated, busy_gpus=busy, queued_by_priority=queued,
+    return ClusterSummary(gpus=int(gpus), allocated_gpus=allocated, busy_gpus=int(busy), queued_by_priority=queued,
                           running_jobs=int(running))
 
 
@@ -469,21 +471,20 @@ def cluster_nodes(*, session: Session, settings: Settings) -> list[ClusterNode]:
     """Every node as the fat-tree view draws it: one light row each (no inventories)."""
     from hai.db.models import Node
 
-    stats = _node_gpu_stats(session, settings.metrics.busy_util_pct)
-
     held: dict[str, int] = defaultdict(int)
     jobs: dict[str, set[int]] = defaultdict(set)
-    for node, gpus, job_id in session.execute(
-        select(JobAllocation.node_name, JobAllocation.gpus, JobAllocation.job_id).where(JobAllocation.active.is_(True))
+    for node, count, job_id in session.execute(
+        select(JobAllocation.node_name, func.json_array_length(JobAllocation.gpus), JobAllocation.job_id)
+        .where(JobAllocation.active.is_(True))
     ):
-        held[node] += len(gpus or ())
+        held[node] += int(count or 0)
         jobs[node].add(job_id)
     out = []
-    for name, zone, leaf, state, reason, gpus in session.execute(
-        select(Node.name, Node.zone, Node.leaf, Node.state, Node.state_reason, Node.gpus)
+    for name, zone, leaf, state, reason, gpus, util in session.execute(
+        select(Node.name, Node.zone, Node.leaf, Node.state, Node.state_reason, Node.gpus, Node.gpu_util_pct)
         .order_by(Node.zone, Node.leaf, Node.name)
     ):
         out.append(ClusterNode(name=name, zone=zone, leaf=leaf, state=state, state_reason=reason, gpus=gpus,
-                               allocated_gpus=held.get(name, 0), util_pct=stats.get(name, (None, 0))[0],
+                               allocated_gpus=held.get(name, 0), util_pct=util,
                                jobs=sorted(jobs.get(name, ()))))
     return out

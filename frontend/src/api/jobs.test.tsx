@@ -6,13 +6,13 @@ import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest'
 import { App } from '../App'
 import { JobsTable } from '../components/Jobs/JobsTable'
 import { groupTree } from '../components/Nodes/FatTree'
-import { parseEnv, splitCommand } from '../components/ui/format'
+import { formatGpus, parseEnv, splitCommand } from '../components/ui/format'
 import type { ClusterNode } from './metrics'
 import { ApiError } from './client'
 import { fieldErrors, jobKeys, useJobs, type JobList, type JobRead } from './jobs'
 import { createQueryClient } from './queryClient'
 import { setToken } from './token'
-import { timelineLabel } from '../routes/JobPage'
+import { Timeline, timelineLabel } from '../routes/JobPage'
 
 function job(overrides: Partial<JobRead> = {}): JobRead {
   return {
@@ -153,8 +153,29 @@ describe('helpers', () => {
     expect(timelineLabel(null, 'queued', false)).toBe('queued')
     expect(timelineLabel('running', 'suspending', false)).toBe('suspend requested')
     expect(timelineLabel('suspending', 'queued', false)).toBe('suspended')
+    expect(timelineLabel('queued', 'queued', true)).toBe('resume requested')
     expect(timelineLabel('queued', 'starting', true)).toBe('resumed')
     expect(timelineLabel('running', 'cancelled', true)).toBe('finished (cancelled)')
+  })
+  it('shows a placement\'s GPUs as a count and ranges', () => {
+    expect(formatGpus([3, 0, 1, 2])).toBe('4 (GPU 0-3)')
+    expect(formatGpus([1, 5, 6])).toBe('3 (GPU 1, 5-6)')
+    expect(formatGpus([])).toBe('0')
+  })
+  it('puts the reported checkpoint in its place in the timeline', () => {
+    const at = (s: number) => new Date(Date.UTC(2026, 0, 1, 0, 0, s)).toISOString()
+    const j = job({
+      events: [
+        { at: at(0), from_state: null, to_state: 'queued', reason: '' },
+        { at: at(10), from_state: 'running', to_state: 'suspending', reason: 'HIGH job 9' },
+        { at: at(30), from_state: 'suspending', to_state: 'queued', reason: '' },
+      ],
+      last_checkpoint: { at: Date.UTC(2026, 0, 1, 0, 0, 20) / 1000, path: '/ckpt/step-500', step: 500, duration_s: 2.5 },
+    })
+    render(<Timeline job={j} />)
+    const items = screen.getAllByRole('listitem').map((li) => li.querySelector('strong')?.textContent)
+    expect(items).toEqual(['queued', 'suspend requested', 'checkpoint reported', 'suspended'])
+    expect(screen.getByText(/step 500, \/ckpt\/step-500/)).toBeTruthy()
   })
   it('groups nodes by zone and leaf in natural order', () => {
     const n = (name: string, zone: string, leaf: string) => ({ name, zone, leaf }) as ClusterNode

@@ -1,8 +1,8 @@
 import { useQuery } from '@tanstack/react-query'
 import { api, unwrap } from './client'
-import type { paths } from './gen/schema'
+import type { components, paths } from './gen/schema'
 
-export type Window = 'hour' | 'day' | 'week'
+export type Window = components['schemas']['Window']
 export type MetricSeries = paths['/api/v1/cluster/utilisation']['get']['responses'][200]['content']['application/json']
 export type MetricPoint = MetricSeries['points'][number]
 export type ClusterSummary = paths['/api/v1/cluster/summary']['get']['responses'][200]['content']['application/json']

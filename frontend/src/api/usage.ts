@@ -1,8 +1,9 @@
 import { useQuery } from '@tanstack/react-query'
 import { api, unwrap } from './client'
-import type { paths } from './gen/schema'
+import type { components, paths } from './gen/schema'
 
-export type UsageBy = 'user' | 'group'
+export type UsageBy = components['schemas']['UsageBy']
+/** The page's choice of period; the API takes its start (`since`). */
 export type UsagePeriod = 'day' | 'week' | 'month'
 export type UsageReport = paths['/api/v1/usage']['get']['responses'][200]['content']['application/json']
 export type QuotaUse = paths['/api/v1/usage/quotas']['get']['responses'][200]['content']['application/json'][number]

@@ -5,7 +5,7 @@ import { useClusterNodes, useClusterSummary, useClusterUtilisation, useIdleAlloc
 import { FatTree } from '../components/Nodes/FatTree'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { Chart as TimeChart } from '../components/ui/Chart'
-import { formatDuration } from '../components/ui/format'
+import { formatDuration, formatGpus } from '../components/ui/format'
 
 function Totals() {
   const s = useClusterSummary()
@@ -66,7 +66,7 @@ function IdleAllocated({ onSelect, ready }: { onSelect: (id: number) => void; re
               {rows.map((r) => (
                 <tr key={`${r.job_id}-${r.node}`} className="idle-row">
                   <td><Link to={`/jobs/${r.job_id}`}>{r.job_id} {r.job_name}</Link> <button type="button" className="link" onClick={() => onSelect(r.job_id)}>show</button></td>
-                  <td>{r.user}</td><td><Link to={`/nodes/${r.node}`}>{r.node}</Link></td><td>{r.gpus.join(', ')}</td><td>{formatDuration(r.idle_s)}</td>
+                  <td>{r.user}</td><td><Link to={`/nodes/${r.node}`}>{r.node}</Link></td><td>{formatGpus(r.gpus)}</td><td>{formatDuration(r.idle_s)}</td>
                 </tr>
               ))}
             </tbody>

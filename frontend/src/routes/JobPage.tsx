@@ -1,4 +1,4 @@
-import { useMemo } from 'react'
+import { useMemo, type ReactNode } from 'react'
 import { Link, useParams } from 'react-router'
 import { useMe } from '../api/me'
 import { useJob, useJobAction, useJobMetrics, type JobRead } from '../api/jobs'
@@ -6,7 +6,7 @@ import { LogView } from '../components/Jobs/LogView'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
 import { Chart as TimeChart } from '../components/ui/Chart'
-import { formatDuration, formatTime, secondsBetween } from '../components/ui/format'
+import { formatDuration, formatGpus, formatTime, secondsBetween } from '../components/ui/format'
 
 const TERMINAL = new Set(['succeeded', 'failed', 'cancelled'])
 
@@ -15,26 +15,28 @@ export function timelineLabel(from: string | null | undefined, to: string, suspe
   if (!from && to === 'queued') return 'queued'
   if (to === 'suspending') return 'suspend requested'
   if (from === 'suspending' && to === 'queued') return 'suspended'
+  if (from === 'queued' && to === 'queued' && suspendedBefore) return 'resume requested'  // released by its owner, waits for GPUs
   if (to === 'starting') return suspendedBefore ? 'resumed' : 'started'
   if (to === 'running') return 'running'
   if (TERMINAL.has(to)) return `finished (${to})`
   return to
 }
 
-function Timeline({ job }: { job: JobRead }) {
+export function Timeline({ job }: { job: JobRead }) {
   let suspended = false
-  const rows = job.events.map((e, i) => {
+  const rows: { at: number; key: string; el: ReactNode }[] = job.events.map((e, i) => {
     const label = timelineLabel(e.from_state, e.to_state, suspended)
     if (label === 'suspended') suspended = true
-    return <li key={i}><time>{formatTime(e.at)}</time> <strong>{label}</strong>{e.reason ? ` — ${e.reason}` : ''}</li>
+    return { at: Date.parse(e.at), key: `e${i}`, el: <><time>{formatTime(e.at)}</time> <strong>{label}</strong>{e.reason ? ` — ${e.reason}` : ''}</> }
   })
-  const ckpt = job.last_checkpoint as Record<string, unknown> | null
-  return (
-    <ol className="timeline">
-      {rows}
-      {ckpt && <li><strong>checkpoint reported</strong> {Object.entries(ckpt).map(([k, v]) => `${k}=${String(v)}`).join(', ')}</li>}
-    </ol>
-  )
+  const ckpt = job.last_checkpoint
+  if (ckpt) {  // the latest checkpoint, in its place among the state changes
+    const iso = new Date(ckpt.at * 1000).toISOString()
+    rows.push({ at: ckpt.at * 1000, key: 'ckpt', el: <><time>{formatTime(iso)}</time> <strong>checkpoint reported</strong>
+      {` — ${ckpt.step == null ? '' : `step ${ckpt.step}, `}${ckpt.path}${ckpt.duration_s == null ? '' : ` (written in ${ckpt.duration_s.toFixed(1)} s)`}`}</> })
+  }
+  rows.sort((a, b) => a.at - b.at)  // stable: events keep their order at equal times
+  return <ol className="timeline">{rows.map((r) => <li key={r.key}>{r.el}</li>)}</ol>
 }
 
 function Actions({ job }: { job: JobRead }) {
@@ -105,7 +107,7 @@ export default function JobPage() {
               <>
                 <p>Zone {zones.join(', ')} · leaves {leaves.join(', ')}</p>
                 <table><thead><tr><th>Node</th><th>Zone</th><th>Leaf</th><th>GPUs</th></tr></thead>
-                  <tbody>{j.placement.map((p) => <tr key={p.node}><td><Link to={`/nodes/${p.node}`}>{p.node}</Link></td><td>{p.zone}</td><td>{p.leaf}</td><td>{p.gpus.join(', ')}</td></tr>)}</tbody>
+                  <tbody>{j.placement.map((p) => <tr key={p.node}><td><Link to={`/nodes/${p.node}`}>{p.node}</Link></td><td>{p.zone}</td><td>{p.leaf}</td><td>{formatGpus(p.gpus)}</td></tr>)}</tbody>
                 </table>
               </>
             )}

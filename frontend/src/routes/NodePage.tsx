@@ -3,8 +3,7 @@ import { Link, useParams } from 'react-router'
 import { ApiError } from '../api/client'
 import { useMe } from '../api/me'
 import { useNodeMetrics } from '../api/metrics'
-import { failedChecks, useNode, useNodeAction, useNodeValidations, type ValidationRun } from '../api/nodeHealth'
-import { useNodes } from '../api/nodes'
+import { failedChecks, useNode, useNodeAction, useNodeValidations, useNodes, type ValidationRun } from '../api/nodes'
 import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
 import { Chart as TimeChart } from '../components/ui/Chart'
@@ -24,7 +23,7 @@ function AdminActions({ name, state }: { name: string; state: string }) {
   const refused = failedChecks(act.error)
   function drain(e: FormEvent) {
     e.preventDefault()
-    act.mutate({ kind: 'drain', reason })
+    act.mutate({ kind: 'drain', reason }, { onSuccess: () => setReason('') })
   }
   const drainable = state === 'ready' || state === 'unhealthy'
   return (
@@ -44,7 +43,7 @@ function AdminActions({ name, state }: { name: string; state: string }) {
       )}
       <button type="button" onClick={() => act.mutate({ kind: 'validate' })} disabled={act.isPending}>Validate now</button>
       {refused ? (
-        <div className="error" role="alert">{refused.message}: {refused.checks.map((c) => `${c.name} ${c.value ?? ''}${c.unit ?? ''} (threshold ${c.threshold ?? '?'}${c.unit ?? ''})`).join('; ')}</div>
+        <div className="error" role="alert">{refused.message}: {refused.checks.map((c) => `${c.name} ${c.value ?? ''}${c.unit} (threshold ${c.threshold ?? '?'}${c.unit})`).join('; ')}</div>
       ) : act.isError ? <p className="error" role="alert">{act.error.message}</p> : null}
     </div>
   )
@@ -55,15 +54,16 @@ function Validations({ runs }: { runs: ValidationRun[] }) {
   const [latest, ...older] = runs
   return (
     <>
-      <h4>Latest validation (run {latest.id}, {latest.status ?? latest.result ?? ''}, {formatTime(latest.finished_at ?? latest.started_at ?? latest.created_at)})</h4>
+      <h4>Latest validation (run {latest.id}, {latest.level}, {latest.status}, {formatTime(latest.finished_at ?? latest.started_at ?? latest.requested_at)})</h4>
+      {latest.summary && <p className="wrap">{latest.summary}</p>}
       <table>
         <thead><tr><th>Check</th><th>Result</th><th>Value</th><th>Threshold</th><th>Detail</th></tr></thead>
-        <tbody>{(latest.checks ?? []).map((c) => (
-          <tr key={c.name}><td>{c.name}</td><td><StateBadge state={String(c.result ?? c.status ?? '')} /></td>
-            <td>{c.value ?? ''} {c.unit ?? ''}</td><td>{c.threshold ?? ''}</td><td className="wrap">{c.detail ?? ''}</td></tr>
+        <tbody>{latest.checks.map((c) => (
+          <tr key={c.name}><td>{c.name}</td><td><StateBadge state={c.status} /></td>
+            <td>{c.value ?? ''} {c.value == null ? '' : c.unit}</td><td>{c.threshold ?? ''} {c.threshold == null ? '' : c.unit}</td><td className="wrap">{c.detail}</td></tr>
         ))}</tbody>
       </table>
-      {older.length > 0 && <ul>{older.map((r) => <li key={r.id}>run {r.id}: {r.status ?? r.result ?? ''} {formatTime(r.finished_at ?? r.started_at ?? r.created_at)}</li>)}</ul>}
+      {older.length > 0 && <ul>{older.map((r) => <li key={r.id}>run {r.id} ({r.level}, {r.trigger}): {r.status} {formatTime(r.finished_at ?? r.started_at ?? r.requested_at)}</li>)}</ul>}
     </>
   )
 }
@@ -122,7 +122,7 @@ export default function NodePage() {
           <table>
             <thead><tr><th>When</th><th>From</th><th>To</th><th>By</th><th>Reason</th></tr></thead>
             <tbody>{[...d.events].reverse().map((e, i) => (
-              <tr key={i}><td>{formatTime(e.at)}</td><td>{e.from_state ?? ''}</td><td><StateBadge state={e.to_state} /></td><td>{String(e.actor ?? e.by ?? '')}</td><td className="wrap">{e.reason ?? ''}</td></tr>
+              <tr key={i}><td>{formatTime(e.at)}</td><td>{e.from_state ?? ''}</td><td><StateBadge state={e.to_state} /></td><td>{e.actor}</td><td className="wrap">{e.reason}</td></tr>
             ))}</tbody>
           </table>
         )}

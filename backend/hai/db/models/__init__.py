@@ -56,6 +56,10 @@ class Node(Base):
     fake_gpus: Mapped[bool] = mapped_column(Boolean, default=False)
     gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     gpu_metrics: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    # issue 11: the latest heartbeat's GPU figures folded at heartbeat time (metrics_store.set_latest_gpus),
+    # so the cluster summary and tree read two columns instead of scanning every node's JSON
+    gpu_util_pct: Mapped[float | None] = mapped_column(Float, nullable=True)  # mean over the GPUs reporting one
+    gpus_busy: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # at or above busy_util_pct
     nics: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     agent_version: Mapped[str] = mapped_column(String(32), default="")
     protocol_version: Mapped[int] = mapped_column(Integer, default=1)

@@ -1,5 +1,5 @@
-import { memo, useMemo } from 'react'
-import { Link } from 'react-router'
+import { memo, useMemo, type MouseEvent } from 'react'
+import { useNavigate } from 'react-router'
 import type { ClusterNode } from '../../api/metrics'
 import { utilColour } from '../ui/format'
 
@@ -25,24 +25,32 @@ export function groupTree(nodes: NodeRead[]): Zone[] {
   }))
 }
 
+const MARK: Record<string, string> = { draining: 'D', drained: 'D', unhealthy: 'U', lost: 'L' }
+
+/** One node: a single plain link (no router component, no child elements: 1,250 of them draw at
+ * once); its state letter is drawn by CSS from data-mark; clicks are routed by the tree. */
 const NodeCell = memo(function NodeCell({ n, highlighted }: { n: NodeRead; highlighted: boolean }) {
   const util = n.util_pct ?? null
   const title = `${n.name}: ${n.state}${n.state_reason ? ` (${n.state_reason})` : ''}, ${util == null ? 'no metrics' : `${util.toFixed(0)}% GPU util`}, ${n.allocated_gpus}/${n.gpus} GPUs allocated`
   return (
-    <li>
-      <Link to={`/nodes/${encodeURIComponent(n.name)}`} className={`node node-${n.state}${highlighted ? ' highlighted' : ''}`}
-        style={{ background: utilColour(util) }} title={title} aria-label={n.name} data-state={n.state}>
-        {n.state !== 'ready' && <span className="node-mark" aria-hidden="true">{n.state[0].toUpperCase()}</span>}
-      </Link>
-    </li>
+    <a href={`/nodes/${encodeURIComponent(n.name)}`} className={`node node-${n.state}${highlighted ? ' highlighted' : ''}`}
+      style={{ background: utilColour(util) }} title={title} aria-label={n.name} data-state={n.state} data-mark={MARK[n.state]} />
   )
 })
 
 /** Zones -> leaf switches -> nodes: each node a link named by its name, coloured by GPU util, marked by state. */
 export function FatTree({ nodes, highlight }: { nodes: NodeRead[]; highlight: ReadonlySet<string> }) {
   const tree = useMemo(() => groupTree(nodes), [nodes])
+  const navigate = useNavigate()
+  // one handler for every node link: a plain left click navigates inside the app (as <Link> does)
+  const onClick = (e: MouseEvent<HTMLDivElement>) => {
+    const a = (e.target as Element).closest('a.node')
+    if (!a || e.button !== 0 || e.metaKey || e.ctrlKey || e.shiftKey || e.altKey || e.defaultPrevented) return
+    e.preventDefault()
+    navigate(a.getAttribute('href') ?? '/')
+  }
   return (
-    <div className="fat-tree">
+    <div className="fat-tree" onClick={onClick}>
       {tree.map((z) => (
         <section key={z.name} className="zone" aria-label={`Zone ${z.name}`}>
           <h3>Zone {z.name} <span className="muted">({z.leaves.reduce((a, l) => a + l.nodes.length, 0)} nodes, {z.leaves.length} leaves)</span></h3>
@@ -50,9 +58,9 @@ export function FatTree({ nodes, highlight }: { nodes: NodeRead[]; highlight: Re
             {z.leaves.map((l) => (
               <section key={l.name} className="leaf" aria-label={`Leaf ${l.name}`}>
                 <h4>{l.name}</h4>
-                <ul className="nodes">
+                <div className="nodes">
                   {l.nodes.map((n) => <NodeCell key={n.name} n={n} highlighted={highlight.has(n.name)} />)}
-                </ul>
+                </div>
               </section>
             ))}
           </div>

@@ -67,3 +67,17 @@ export function utilColour(pct: number | null | undefined): string {
   const light = 88 - 50 * p
   return `hsl(${hue.toFixed(0)} 60% ${light.toFixed(0)}%)`
 }
+
+/** A node's GPUs as "how many (which)": [0, 1, 2, 3] -> "4 (GPU 0-3)", [1, 5] -> "2 (GPU 1, 5)". */
+export function formatGpus(gpus: readonly number[]): string {
+  if (gpus.length === 0) return '0'
+  const sorted = [...gpus].sort((a, b) => a - b)
+  const runs: string[] = []
+  for (let i = 0; i < sorted.length; ) {
+    let j = i
+    while (j + 1 < sorted.length && sorted[j + 1] === sorted[j] + 1) j++
+    runs.push(j > i ? `${sorted[i]}-${sorted[j]}` : `${sorted[i]}`)
+    i = j + 1
+  }
+  return `${gpus.length} (GPU ${runs.join(', ')})`
+}
