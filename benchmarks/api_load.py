@@ -208,7 +208,7 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
     engine = create_engine(url)
     rows = []
     for i in range(n):
-        uid, uname = users[i % len(users)] if len(users) > 1 else users[0]
+        uid, uname = users[i % len(users)]
         state = states[i % len(states)]
         created = now - timedelta(seconds=n - i)
         started = created + timedelta(seconds=1) if state != "queued" else None
@@ -296,7 +296,7 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
     reset_postgres(url)
     settings = Settings(data_dir=work, db={"url": url}, redis={"url": redis_url})
     token, agent_token, users = seed_users(settings)
-    seed_jobs(url, users[:1], queued)
+    seed_jobs(url, users[1:], queued)  # other users' jobs: the submitter stays under its queue limit
     port = free_port()
     env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work))
     server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(workers)], env=env,
@@ -316,7 +316,7 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
 def embedded(work: Path, queued: int, procs: Procs):
     settings = Settings(data_dir=work.resolve())
     token, _agent, users = seed_users(settings)
-    seed_jobs(settings.database_url, users[:1], queued)
+    seed_jobs(settings.database_url, users[1:], queued)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAI_")}
     dev = procs.start(HAI + ["dev", "--port", str(port), "--agents", "4", "--data-dir", str(work)], env=env,

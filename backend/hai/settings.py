@@ -44,6 +44,11 @@ class SchedulerSettings(BaseModel):
     service_classes_gpu_s: tuple[float, ...] = _POLICY.service_classes_gpu_s
     starvation_factor: float = Field(default=_POLICY.starvation_factor, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
+    coalesce_s: float = Field(
+        default=0.2, ge=0,
+        description="wake-ups (submissions, releases) within this long of a cycle's start wait for the next "
+        "cycle: a burst of submissions costs a few cycles, not one each (issue 12)",
+    )
     lock_id: int = 0x4841_4901  # PostgreSQL advisory lock key for the leader
 
     def policy(self) -> Policy:

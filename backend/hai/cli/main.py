@@ -74,7 +74,10 @@ def server(
     # each worker process builds its own Platform (engine, pool, notifier) from the same settings
     if data_dir is not None:
         os.environ["HAI_DATA_DIR"] = str(data_dir)
-    uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info")
+    # a loaded machine can keep a busy worker from answering the supervisor's ping for seconds:
+    # uvicorn's 5 s default then kills and respawns healthy workers
+    uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
+                timeout_worker_healthcheck=60)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001

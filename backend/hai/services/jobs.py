@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -73,22 +73,27 @@ def record_event(session: Session, job: Job, reason: str, *, now: datetime | Non
 
 # -- submission and queries ----------------------------------------------------------------
 def check_fits_cluster(session: Session, spec: JobCreate) -> None:
-    """Refuse a job no placement could ever satisfy (Invalid -> 422, nothing written)."""
-    gpu_counts = list(session.scalars(select(Node.gpus)))
-    if spec.nodes > len(gpu_counts):
-        raise Invalid("nodes", f"the cluster has {len(gpu_counts)} node(s); the job asks for {spec.nodes}")
-    largest = max(gpu_counts, default=0)
+    """Refuse a job no placement could ever satisfy (Invalid -> 422, nothing written). One
+    aggregate row, not every node's GPU count (issue 12: at 1,250 nodes that was a query of
+    1,250 rows in every submission)."""
+    count, largest, whole = session.execute(
+        select(
+            func.count(Node.id),
+            func.coalesce(func.max(Node.gpus), 0),
+            func.coalesce(func.sum(case((Node.gpus == spec.gpus_per_node, 1), else_=0)), 0),
+        )
+    ).one()
+    if spec.nodes > count:
+        raise Invalid("nodes", f"the cluster has {count} node(s); the job asks for {spec.nodes}")
     if spec.gpus_per_node > largest:
         raise Invalid("gpus_per_node", f"the largest node has {largest} GPUs; the job asks for {spec.gpus_per_node}")
-    if spec.nodes > 1:
-        whole = sum(1 for g in gpu_counts if g == spec.gpus_per_node)
-        if whole < spec.nodes:
-            sizes = ", ".join(sorted({str(g) for g in gpu_counts}))
-            raise Invalid(
-                "gpus_per_node",
-                f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
-                f"{spec.gpus_per_node} GPUs (node sizes: {sizes})",
-            )
+    if spec.nodes > 1 and whole < spec.nodes:
+        sizes = ", ".join(sorted(str(g) for g in session.scalars(select(Node.gpus).distinct())))
+        raise Invalid(
+            "gpus_per_node",
+            f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
+            f"{spec.gpus_per_node} GPUs (node sizes: {sizes})",
+        )
 
 
 def submit_job(
