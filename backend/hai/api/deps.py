@@ -45,10 +45,14 @@ def _principal(
     failures.check(client)
     with platform.read_sessions() as session:
         try:
-            return auth.authenticate(session=session, secret=creds.credentials)
+            principal = auth.authenticate(session=session, secret=creds.credentials)
         except Unauthorized:
             failures.failed(client)
             raise
+    if principal.stale_use and principal.token_id is not None:
+        with platform.sessions() as session:  # a write at most once a minute per token
+            auth.touch_token(session=session, token_id=principal.token_id)
+    return principal
 
 
 def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
