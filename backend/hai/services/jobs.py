@@ -177,7 +177,7 @@ def list_jobs(
     if before_id is None and len(jobs) < limit and (jobs or offset == 0):
         total = offset + len(jobs)  # the last page: the jobs before it and on it are all there are
     else:
-        total = session.scalar(select(func.count(Job.id)).where(*where)) or 0
+        total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0  # count(*): index-only
     return jobs, int(total)
 
 
