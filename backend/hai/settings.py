@@ -48,6 +48,11 @@ class SchedulerSettings(BaseModel):
     service_classes_gpu_s: tuple[float, ...] = _POLICY.service_classes_gpu_s
     starvation_factor: float = Field(default=_POLICY.starvation_factor, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
+    coalesce_s: float = Field(
+        default=0.2, ge=0,
+        description="wake-ups (submissions, releases) within this long of a cycle's start wait for the next "
+        "cycle: a burst of submissions costs a few cycles, not one each (issue 12)",
+    )
     lock_id: int = Field(default=0x4841_4901, ge=0, lt=2**31,
                          description="PostgreSQL advisory lock key: the leader of epoch E holds (lock_id, E)")
     lease_s: float = Field(default=10.0, gt=0, description=(

@@ -103,3 +103,16 @@ def test_invalid_quotas_are_refused_and_change_nothing(api):
     r = api.client.put("/api/v1/quotas", json=dup, headers=api.h(api.admin))
     assert r.status_code == 422
     assert api.get("/api/v1/quotas").json()["items"] == [{"group": "vision", "priority": "HIGH", "user": None, "gpus": 64}]
+
+
+def test_a_token_records_its_last_use_at_most_once_a_minute(api):
+    from datetime import datetime, timedelta
+
+    from hai.services.auth import TOKEN_TOUCH_S
+
+    first = api.get("/api/v1/tokens").json()
+    used = datetime.fromisoformat(first[0]["last_used_at"])  # this very request used it
+    assert datetime.now(used.tzinfo) - used < timedelta(minutes=5)
+    again = api.get("/api/v1/tokens").json()
+    assert again[0]["last_used_at"] == first[0]["last_used_at"]  # within TOKEN_TOUCH_S: not rewritten
+    assert TOKEN_TOUCH_S >= 1

@@ -103,6 +103,23 @@ def test_list_filters_and_pages(cluster):
     assert cluster.get("/api/v1/jobs", params={"limit": 0}).status_code == 422
 
 
+def test_list_keyset_pages_and_totals(cluster):
+    ids = [cluster.submit(name=f"k{i}")["id"] for i in range(5)]
+    b = cluster.submit(cluster.bob, name="kb")["id"]
+    first = cluster.get("/api/v1/jobs", params={"limit": 2}).json()
+    assert [j["id"] for j in first["items"]] == [b, ids[4]] and first["total"] == 6
+    second = cluster.get("/api/v1/jobs", params={"limit": 2, "before_id": ids[4]}).json()
+    assert [j["id"] for j in second["items"]] == [ids[3], ids[2]] and second["total"] == 6
+    last = cluster.get("/api/v1/jobs", params={"limit": 50, "before_id": ids[2], "user": "alice"}).json()
+    assert [j["id"] for j in last["items"]] == [ids[1], ids[0]] and last["total"] == 5
+    past = cluster.get("/api/v1/jobs", params={"limit": 2, "offset": 10}).json()
+    assert past["items"] == [] and past["total"] == 6
+    tail = cluster.get("/api/v1/jobs", params={"limit": 4, "offset": 4}).json()
+    assert [j["id"] for j in tail["items"]] == [ids[1], ids[0]] and tail["total"] == 6
+    r = cluster.get("/api/v1/jobs", params={"before_id": 0})
+    assert r.status_code == 422 and "before_id" in str(r.json()["detail"][0]["loc"])
+
+
 def test_get_job_404_and_403_and_admin_may(cluster):
     job = cluster.submit(name="mine")
     assert cluster.get("/api/v1/jobs/999999").status_code == 404

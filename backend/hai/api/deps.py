@@ -22,8 +22,13 @@ def get_platform(request: Request) -> Platform:
 PlatformDep = Annotated[Platform, Depends(get_platform)]
 
 
-def get_session(platform: PlatformDep) -> Iterator[Session]:
-    with platform.sessions() as session:
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def get_session(request: Request, platform: PlatformDep) -> Iterator[Session]:
+    """GET requests only read: their session begins deferred on SQLite (no write lock)."""
+    factory = platform.read_sessions if request.method in READ_METHODS else platform.sessions
+    with factory() as session:
         yield session
 
 
@@ -38,12 +43,16 @@ def _principal(
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
-    with platform.sessions() as session:
+    with platform.read_sessions() as session:
         try:
-            return auth.authenticate(session=session, secret=creds.credentials)
+            principal = auth.authenticate(session=session, secret=creds.credentials)
         except Unauthorized:
             failures.failed(client)
             raise
+    if principal.stale_use and principal.token_id is not None:
+        with platform.sessions() as session:  # a write at most once a minute per token
+            auth.touch_token(session=session, token_id=principal.token_id)
+    return principal
 
 
 def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:

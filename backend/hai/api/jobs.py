@@ -57,16 +57,23 @@ def submit(
 
 
 @router.get("", response_model=JobList)
-def list_jobs(
+def list_jobs(  # noqa: PLR0913
     session: SessionDep,
     _user: CurrentUser,
     state: Annotated[list[JobState] | None, Query(description="filter by state (repeatable)")] = None,
     user: Annotated[str | None, Query(description="filter by user name")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
-) -> JobList:
-    items, total = job_service.list_jobs(session=session, state=state or (), user_name=user, limit=limit, offset=offset)
-    return job_list(session=session, jobs=items, total=total)
+    before_id: Annotated[
+        int | None,
+        Query(ge=1, description="keyset paging: only jobs with a lower id (the last id of the previous page)"),
+    ] = None,
+) -> Response:
+    items, total = job_service.list_jobs(
+        session=session, state=state or (), user_name=user, limit=limit, offset=offset, before_id=before_id
+    )
+    # serialised by pydantic-core directly (no second validation, no json.dumps of the page)
+    return Response(job_list(session=session, jobs=items, total=total).model_dump_json(), media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobRead)

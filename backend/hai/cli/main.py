@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -54,6 +55,7 @@ def server(
     port: Annotated[int, typer.Option()] = 8080,
     data_dir: Annotated[Path | None, typer.Option(help="embedded mode: where SQLite lives")] = None,
     topology: Annotated[Path | None, typer.Option(help="CSV node,gpus,leaf,zone")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="worker processes (uvicorn); production: one per core")] = 1,
 ) -> None:
     """Run the API server (production: HAI_DB__URL, HAI_REDIS__URL)."""
     import uvicorn
@@ -64,8 +66,18 @@ def server(
     _logging()
     platform = Platform.from_settings(_settings(data_dir))
     _bootstrap(platform, topology)
-    uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
+    if workers == 1:
+        uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
+        platform.close()
+        return
     platform.close()
+    # each worker process builds its own Platform (engine, pool, notifier) from the same settings
+    if data_dir is not None:
+        os.environ["HAI_DATA_DIR"] = str(data_dir)
+    # a loaded machine can keep a busy worker from answering the supervisor's ping for seconds:
+    # uvicorn's 5 s default then kills and respawns healthy workers
+    uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
+                timeout_worker_healthcheck=60)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001

@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -17,6 +17,8 @@ from hai.db.models import ApiToken, User
 from hai.services.errors import Conflict, Forbidden, Invalid, NotFound, Unauthorized
 
 TOKEN_PREFIX = "hai_"
+# a token's last_used_at is written at most this often (issue 12): not a write per request
+TOKEN_TOUCH_S = 60.0
 AGENT_TOKEN_PREFIX = "haiagent_"
 
 
@@ -28,6 +30,8 @@ class Principal:
     group: str = ""
     is_admin: bool = False
     token_id: int | None = None
+    # the token's last_used_at is older than TOKEN_TOUCH_S (or unset): touch_token it
+    stale_use: bool = field(default=False, compare=False)
 
 
 def hash_token(secret: str) -> str:
@@ -133,12 +137,27 @@ def authenticate(*, session: Session, secret: str | None) -> Principal:
     token = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
     if token is None or not hmac.compare_digest(token.token_hash, digest) or token.revoked_at is not None:
         raise Unauthorized("invalid or revoked token")
-    if token.expires_at is not None and token.expires_at <= utcnow():
+    now = utcnow()
+    if token.expires_at is not None and token.expires_at <= now:
         raise Unauthorized("token expired")
+    stale = token.last_used_at is None or token.last_used_at <= now - timedelta(seconds=TOKEN_TOUCH_S)
     if token.kind == "agent":
-        return Principal(kind="agent", name=token.name, token_id=token.id)
+        return Principal(kind="agent", name=token.name, token_id=token.id, stale_use=stale)
     user = token.user
     assert user is not None
     return Principal(
-        kind="user", user_id=user.id, name=user.name, group=user.group, is_admin=user.is_admin, token_id=token.id
+        kind="user", user_id=user.id, name=user.name, group=user.group, is_admin=user.is_admin, token_id=token.id,
+        stale_use=stale,
     )
+
+
+def touch_token(*, session: Session, token_id: int, now: datetime | None = None) -> None:
+    """Record that the token was used (called when ``Principal.stale_use``: once a minute at most)."""
+    now = now or utcnow()
+    session.execute(
+        update(ApiToken)
+        .where(ApiToken.id == token_id)
+        .where((ApiToken.last_used_at.is_(None)) | (ApiToken.last_used_at < now - timedelta(seconds=TOKEN_TOUCH_S)))
+        .values(last_used_at=now)
+    )
+    session.commit()

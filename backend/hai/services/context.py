@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from hai.db.session import make_engine, make_session_factory
+from hai.db.session import make_engine, make_session_factory, read_only
 from hai.services.notify import Notifier, make_notifier
 from hai.settings import Settings
 
@@ -18,6 +18,15 @@ class Platform:
     engine: Engine
     sessions: sessionmaker[Session]
     notifier: Notifier
+    # for transactions that only read (GET requests, token look-ups): on SQLite they begin
+    # deferred and do not queue for the write lock; the same sessions otherwise
+    read_sessions: sessionmaker[Session] | None = None
+
+    def __post_init__(self) -> None:
+        if self.read_sessions is None:
+            self.read_sessions = (
+                make_session_factory(read_only(self.engine)) if self.engine.dialect.name == "sqlite" else self.sessions
+            )
 
     @classmethod
     def from_settings(cls, settings: Settings, *, notifier: Notifier | None = None) -> "Platform":

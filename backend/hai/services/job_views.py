@@ -1,5 +1,6 @@
 """Jobs as the API shows them (JobRead / JobList): the ORM rows mapped by field name, with the
-zone and leaf of every node the job is placed on (one query per response)."""
+zone and leaf of every node the job is placed on (one query per response, for the nodes the
+response places jobs on only; none when no job is placed, as after a submission)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,18 @@ _FIELDS = [(f, _COLUMN.get(f, f)) for f in JobRead.model_fields if f != "placeme
 _UNKNOWN = ("?", "?")
 
 
-def node_labels(session: Session) -> Labels:
-    return {name: (zone, leaf) for name, zone, leaf in session.execute(select(Node.name, Node.zone, Node.leaf))}
+def node_labels(session: Session, names: set[str] | None = None) -> Labels:
+    """(zone, leaf) of the nodes ``names`` (default: every node)."""
+    stmt = select(Node.name, Node.zone, Node.leaf)
+    if names is not None:
+        if not names:
+            return {}
+        stmt = stmt.where(Node.name.in_(sorted(names)))
+    return {name: (zone, leaf) for name, zone, leaf in session.execute(stmt)}
+
+
+def _labels_for(session: Session, jobs: Sequence[Job]) -> Labels:
+    return node_labels(session, {a.node_name for j in jobs for a in placement_of(j)})
 
 
 def _read(job: Job, labels: Labels) -> JobRead:
@@ -38,9 +49,9 @@ def _read(job: Job, labels: Labels) -> JobRead:
 
 
 def job_read(*, session: Session, job: Job) -> JobRead:
-    return _read(job, node_labels(session))
+    return _read(job, _labels_for(session, [job]))
 
 
 def job_list(*, session: Session, jobs: Sequence[Job], total: int) -> JobList:
-    labels = node_labels(session)
+    labels = _labels_for(session, jobs)
     return JobList(items=[_read(j, labels) for j in jobs], total=total)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -80,22 +80,27 @@ def record_event(session: Session, job: Job, reason: str, *, now: datetime | Non
 
 # -- submission and queries ----------------------------------------------------------------
 def check_fits_cluster(session: Session, spec: JobCreate) -> None:
-    """Refuse a job no placement could ever satisfy (Invalid -> 422, nothing written)."""
-    gpu_counts = list(session.scalars(select(Node.gpus)))
-    if spec.nodes > len(gpu_counts):
-        raise Invalid("nodes", f"the cluster has {len(gpu_counts)} node(s); the job asks for {spec.nodes}")
-    largest = max(gpu_counts, default=0)
+    """Refuse a job no placement could ever satisfy (Invalid -> 422, nothing written). One
+    aggregate row, not every node's GPU count (issue 12: at 1,250 nodes that was a query of
+    1,250 rows in every submission)."""
+    count, largest, whole = session.execute(
+        select(
+            func.count(Node.id),
+            func.coalesce(func.max(Node.gpus), 0),
+            func.coalesce(func.sum(case((Node.gpus == spec.gpus_per_node, 1), else_=0)), 0),
+        )
+    ).one()
+    if spec.nodes > count:
+        raise Invalid("nodes", f"the cluster has {count} node(s); the job asks for {spec.nodes}")
     if spec.gpus_per_node > largest:
         raise Invalid("gpus_per_node", f"the largest node has {largest} GPUs; the job asks for {spec.gpus_per_node}")
-    if spec.nodes > 1:
-        whole = sum(1 for g in gpu_counts if g == spec.gpus_per_node)
-        if whole < spec.nodes:
-            sizes = ", ".join(sorted({str(g) for g in gpu_counts}))
-            raise Invalid(
-                "gpus_per_node",
-                f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
-                f"{spec.gpus_per_node} GPUs (node sizes: {sizes})",
-            )
+    if spec.nodes > 1 and whole < spec.nodes:
+        sizes = ", ".join(sorted(str(g) for g in session.scalars(select(Node.gpus).distinct())))
+        raise Invalid(
+            "gpus_per_node",
+            f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
+            f"{spec.gpus_per_node} GPUs (node sizes: {sizes})",
+        )
 
 
 def submit_job(
@@ -154,15 +159,32 @@ def get_job(*, session: Session, job_id: int, user: Principal, for_update: bool 
 
 
 def list_jobs(
-    *, session: Session, state: Sequence[JobState] = (), user_name: str | None = None, limit: int = 50, offset: int = 0
+    *,
+    session: Session,
+    state: Sequence[JobState] = (),
+    user_name: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    before_id: int | None = None,
 ) -> tuple[list[Job], int]:
-    stmt = select(Job)
+    """Newest first. ``before_id``: keyset paging (the jobs below that id; pass the last id of the
+    previous page), which costs one page whatever the depth; ``offset`` walks past its rows.
+    ``total`` counts every job of the filter (not only those below ``before_id``); it is
+    counted only when the page does not already show it (issue 12: the count was the cost of a
+    list at 100,000 jobs), on an index (ix_jobs_state_id, ix_jobs_user_name_state_id)."""
+    where = []
     if state:
-        stmt = stmt.where(Job.state.in_([s.value for s in state]))
+        where.append(Job.state.in_([s.value for s in state]))
     if user_name:
-        stmt = stmt.where(Job.user_name == user_name)
-    total = session.scalar(select(func.count()).select_from(stmt.subquery())) or 0
-    jobs = list(session.scalars(stmt.order_by(Job.id.desc()).limit(limit).offset(offset)))
+        where.append(Job.user_name == user_name)
+    page = select(Job).where(*where)
+    if before_id is not None:
+        page = page.where(Job.id < before_id)
+    jobs = list(session.scalars(page.order_by(Job.id.desc()).limit(limit).offset(offset)))
+    if before_id is None and len(jobs) < limit and (jobs or offset == 0):
+        total = offset + len(jobs)  # the last page: the jobs before it and on it are all there are
+    else:
+        total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0  # count(*): index-only
     return jobs, int(total)
 
 

@@ -26,9 +26,12 @@ def list_nodes(*, session: Session) -> list[NodeSummary]:
     nodes = list(session.scalars(select(Node).order_by(Node.zone, Node.leaf, Node.name)))
     held: dict[str, set[int]] = {}
     jobs: dict[str, set[int]] = {}
-    for alloc in session.scalars(select(JobAllocation).where(JobAllocation.active.is_(True))):
-        held.setdefault(alloc.node_name, set()).update(alloc.gpus)
-        jobs.setdefault(alloc.node_name, set()).add(alloc.job_id)
+    # rows, not ORM objects: a cluster of 1,250 busy nodes holds ~10,000 active allocations
+    for node_name, job_id, gpus in session.execute(
+        select(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.gpus).where(JobAllocation.active.is_(True))
+    ):
+        held.setdefault(node_name, set()).update(gpus)
+        jobs.setdefault(node_name, set()).add(job_id)
     return [
         NodeSummary(node=n, free_gpus=n.gpus - len(held.get(n.name, set())), running_jobs=sorted(jobs.get(n.name, set())))
         for n in nodes

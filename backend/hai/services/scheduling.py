@@ -40,6 +40,8 @@ class CycleResult:
     started: list[int]
     suspended: list[int]
     snapshot_jobs: int
+    at: datetime | None = None  # the cycle's ``now`` (its snapshot's instant)
+    considered: tuple[int, ...] = ()  # the queued jobs it considered
 
 
 def _ts(dt: datetime | None) -> float | None:
@@ -58,11 +60,39 @@ def _positions(indices: list[int], held: set[int] | list[int]) -> tuple[int, ...
     return tuple(sorted(where[g] for g in held if g in where))
 
 
+# the columns of a job the snapshot needs (issue 12: a cycle reads rows, not ORM objects with
+# their events and allocations; at 10,000 queued jobs that load was most of the cycle)
+_JOB_COLUMNS = (
+    Job.id, Job.user_name, Job.group, Job.priority, Job.submitted_priority, Job.nodes, Job.gpus_per_node,
+    Job.created_at, Job.allow_cross_zone, Job.state, Job.user_suspended, Job.queued_at, Job.suspensions,
+    Job.reserved_nodes, Job.last_checkpoint, Job.attempt_started_at, Job.suspend_for_job_id, Job.attempt,
+    Job.pending_reason,
+)
+
+
+@dataclass(frozen=True)
+class QueuedNow:
+    """What a queued job of the snapshot shows now: apply_decisions writes only what changes."""
+
+    pending_reason: str | None
+    reserved_nodes: tuple[str, ...]
+
+
 def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sched.Snapshot:
+    return _load(session, now=now, lost_after_s=lost_after_s)[0]
+
+
+def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sched.Snapshot, dict[int, QueuedNow]]:
     nodes = list(session.scalars(select(Node).order_by(Node.name)))
     held: dict[str, set[int]] = {}
-    for alloc in session.scalars(select(JobAllocation).where(JobAllocation.active.is_(True))):
-        held.setdefault(alloc.node_name, set()).update(alloc.gpus)
+    active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
+    for job_id, attempt, node_name, gpus in session.execute(
+        select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
+        .where(JobAllocation.active.is_(True))
+        .order_by(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_rank)
+    ):
+        held.setdefault(node_name, set()).update(gpus)
+        active_allocs.setdefault(job_id, []).append((attempt, node_name, gpus))
     fresh_after = now - timedelta(seconds=lost_after_s)
     indices = {n.name: gpu_indices(n) for n in nodes}
     node_views = tuple(
@@ -78,14 +108,13 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
         )
         for n in nodes
     )
-    jobs = list(
-        session.scalars(
-            select(Job).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
-        )
+    rows = session.execute(
+        select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
     )
     running: list[sched.RunningJob] = []
     queued: list[sched.QueuedJob] = []
-    for j in jobs:
+    current: dict[int, QueuedNow] = {}
+    for j in rows:
         common = dict(
             id=j.id,
             user=j.user_name,
@@ -99,14 +128,16 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
         )
         if j.state == JobState.QUEUED.value:
             if not j.user_suspended:
+                reserved = tuple(j.reserved_nodes or ())
                 queued.append(
                     sched.QueuedJob(
                         **common,
                         queued_at=j.queued_at.timestamp(),
                         suspensions=j.suspensions,
-                        reserved_nodes=tuple(j.reserved_nodes or ()),
+                        reserved_nodes=reserved,
                     )
                 )
+                current[j.id] = QueuedNow(pending_reason=j.pending_reason, reserved_nodes=reserved)
             continue
         ckpt = j.last_checkpoint or {}
         attempt_start = (j.attempt_started_at or now).timestamp()
@@ -115,9 +146,9 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
             sched.RunningJob(
                 **common,
                 allocations=tuple(
-                    sched.Allocation(a.node_name, _positions(indices.get(a.node_name, []), a.gpus))
-                    for a in j.allocations
-                    if a.active and a.attempt == j.attempt
+                    sched.Allocation(node_name, _positions(indices.get(node_name, []), gpus))
+                    for attempt, node_name, gpus in active_allocs.get(j.id, ())
+                    if attempt == j.attempt
                 ),
                 state=JobState(j.state),
                 started_at=attempt_start,
@@ -132,13 +163,14 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
         for q in session.scalars(select(Quota).order_by(Quota.id))
     )
     usage = {u.user_name: u.gpu_s for u in session.scalars(select(UserUsage))}
-    return sched.Snapshot(
+    snapshot = sched.Snapshot(
         nodes=node_views,
         running=tuple(sorted(running, key=lambda r: r.id)),
         queued=tuple(sorted(queued, key=lambda q: q.id)),
         quotas=quotas,
         usage=usage,
     )
+    return snapshot, current
 
 
 def _update_usage(session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float) -> dict[str, float]:
@@ -189,13 +221,13 @@ def run_cycle(
 
         fence(session, lease)
     now = now or utcnow()
-    snapshot = load_snapshot(session, now=now, lost_after_s=settings.agent.lost_after_s)
+    snapshot, current = _load(session, now=now, lost_after_s=settings.agent.lost_after_s)
     usage = _update_usage(session, snapshot, now=now, half_life_s=settings.scheduler.usage_half_life_s)
     snapshot = sched.Snapshot(
         nodes=snapshot.nodes, running=snapshot.running, queued=snapshot.queued, quotas=snapshot.quotas, usage=usage
     )
     decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp())
-    apply_decisions(session, decisions, settings=settings, now=now)
+    apply_decisions(session, decisions, settings=settings, now=now, current=current)
     if decisions.starts:
         faults.stop_point("scheduler_before_commit")
     session.commit()
@@ -203,6 +235,8 @@ def run_cycle(
         started=[s.job_id for s in decisions.starts],
         suspended=[s.job_id for s in decisions.suspends],
         snapshot_jobs=len(snapshot.running) + len(snapshot.queued),
+        at=now,
+        considered=tuple(q.id for q in snapshot.queued),
     )
 
 
@@ -222,13 +256,36 @@ def hold_gpus(session: Session, allocations: list[JobAllocation]) -> None:
     )
 
 
-def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: Settings, now: datetime) -> None:
+def apply_decisions(
+    session: Session,
+    decisions: sched.Decisions,
+    *,
+    settings: Settings,
+    now: datetime,
+    current: dict[int, QueuedNow] | None = None,
+) -> None:
+    """``current``: the snapshot's pending reason and reservation of each queued job; with it,
+    only the jobs whose reason or reservation changes are loaded and locked (issue 12: a cycle
+    wrote, and first loaded, every queued job every time)."""
+    pending = decisions.pending_reasons
+    if current is not None:
+        pending = {i: r for i, r in pending.items() if i not in current or current[i].pending_reason != r}
+        reserved_now = {i for i, q in current.items() if q.reserved_nodes}
+        reservations = {
+            i for i, nodes in decisions.reservations.items()
+            if i not in current or current[i].reserved_nodes != tuple(nodes)
+        }
+        # a job that held a reservation and holds none after this cycle must be written too
+        dropped = {i for i in reserved_now if i not in decisions.reservations}
+    else:
+        reservations, dropped = set(decisions.reservations), set()
     ids = (
         {s.job_id for s in decisions.starts}
         | {s.job_id for s in decisions.suspends}
         | {d.job_id for d in decisions.demotions}
-        | set(decisions.reservations)
-        | set(decisions.pending_reasons)
+        | reservations
+        | dropped
+        | set(pending)
     )
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(sorted(ids))).with_for_update())} if ids else {}
     nodes = {n.name: n for n in session.scalars(select(Node))}
@@ -280,7 +337,7 @@ def apply_decisions(session: Session, decisions: sched.Decisions, *, settings: S
         if list(job.reserved_nodes or []) != reserved:
             job.reserved_nodes = reserved
 
-    for job_id, reason in decisions.pending_reasons.items():
+    for job_id, reason in pending.items():
         job = jobs.get(job_id)
         if job is not None and job.state == JobState.QUEUED.value and not job.user_suspended and job.pending_reason != reason:
             job.pending_reason = reason

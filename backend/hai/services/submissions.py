@@ -53,7 +53,8 @@ def check_queue_limit(session: Session, *, user: Principal, limits: LimitsSettin
     if not limit:
         return
     queued = session.scalar(
-        select(func.count(Job.id)).where(Job.user_id == user.user_id, Job.state == JobState.QUEUED.value)
+        # count(*) on ix_jobs_user_id_state (issue 12): an index-only scan of this user's queued jobs
+        select(func.count()).select_from(Job).where(Job.user_id == user.user_id, Job.state == JobState.QUEUED.value)
     ) or 0
     if queued >= limit:
         raise TooMany(

@@ -143,7 +143,14 @@ class ValidationCheck(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_state_priority", "state", "priority"), Index("ix_jobs_user_name", "user_name"))
+    __table_args__ = (
+        Index("ix_jobs_state_priority", "state", "priority"),
+        # issue 12: the job list's filters, newest first, and the per-user queue limit's count
+        Index("ix_jobs_state_id", "state", "id"),
+        Index("ix_jobs_user_name_id", "user_name", "id"),
+        Index("ix_jobs_user_name_state_id", "user_name", "state", "id"),
+        Index("ix_jobs_user_id_state", "user_id", "state"),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(128))

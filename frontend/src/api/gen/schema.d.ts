@@ -1828,6 +1828,8 @@ export interface operations {
                 user?: string | null;
                 limit?: number;
                 offset?: number;
+                /** @description keyset paging: only jobs with a lower id (the last id of the previous page) */
+                before_id?: number | null;
             };
             header?: never;
             path?: never;

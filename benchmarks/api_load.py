@@ -1,0 +1,560 @@
+"""Submissions and reads through the REST API, against Slurm in the same run (issue 12).
+
+Submissions: POST /api/v1/jobs of 1-GPU ``sleep`` jobs with httpx (keep-alive), 1 and 8 requests in
+flight, against
+  - the production layout: PostgreSQL, Redis, ``hai server --workers <cores>``, a separate
+    ``hai scheduler`` and 4 fake-GPU agents (``hai agent --fake-gpus 8``), and
+  - ``hai dev --agents 4`` (embedded SQLite, scheduler thread in the server process),
+each with 0 and 10,000 jobs already queued (inserted before the processes start). When Slurm is
+installed (Debian's slurm-wlm, slurmrestd, munge) the same run starts a private Slurm: its own
+munge key and socket, slurmctld on 127.0.0.1 with 1,250 configured nodes of 8 GPUs, slurmrestd on a
+unix socket in a temporary directory; jobs are submitted held (``--hold``) through ``sbatch`` (one
+submitter) and through slurmrestd with 1 and 8 in flight. Only the processes this script started
+are stopped, by their process ids.
+
+Reads (``--reads``): 100,000 jobs in the table and 1,250 nodes on PostgreSQL (VACUUM ANALYZE after the
+bulk insert, as autovacuum leaves a settled table), ``hai server --workers <cores>`` alone; GET /api/v1/jobs (no filter, by state, by user, both; 50 a page, first page and a
+deep page) and GET /api/v1/nodes, p50/p99.
+
+    python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only pg sqlite slurm]
+                                  [--reads] [--profile DIR] [--out benchmarks/results/api_load.json]
+
+PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped and re-created: use a database of your
+own); Redis: HAI_TEST_REDIS_URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "backend"))
+
+import httpx  # noqa: E402
+from sqlalchemy import create_engine, insert, text  # noqa: E402
+
+from hai.db.base import utcnow  # noqa: E402
+from hai.db.migrate import upgrade  # noqa: E402
+from hai.db.models import Job, Node  # noqa: E402
+from hai.services import auth  # noqa: E402
+from hai.services.context import Platform  # noqa: E402
+from hai.settings import Settings  # noqa: E402
+
+HAI = [sys.executable, "-m", "hai.cli.main"]
+BODY = {"name": "bench", "command": ["sleep", "3600"], "nodes": 1, "gpus_per_node": 1}
+CORES = os.cpu_count() or 1
+
+
+def free_port() -> int:
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        return so.getsockname()[1]
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = pred()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - the process is still starting
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last!r})")
+
+
+class Procs:
+    """The processes this script started; each leads its own process group (its children with it)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+        out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             cwd=str(REPO))
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=10)
+        self.procs.clear()
+
+
+# -- load --------------------------------------------------------------------------------------
+def post_load(make_client, path: str, body: dict, n: int, in_flight: int, ok=(200, 201)) -> dict:  # noqa: ANN001
+    """``n`` POSTs of ``body`` with ``in_flight`` threads, each its own keep-alive client."""
+    lat: list[float] = []
+    lock = threading.Lock()
+    counter = iter(range(n))
+    errors: list[str] = []
+
+    def worker() -> None:
+        with make_client() as c:
+            while True:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    r = c.post(path, json=body)
+                    if r.status_code not in ok:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as exc:  # a reset connection: counted, the client reconnects
+                    errors.append(repr(exc))
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+
+    threads = [threading.Thread(target=worker) for _ in range(in_flight)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    out = summarise(lat, wall)
+    out["failed"] = len(errors)  # counted in the latencies, not in jobs/s
+    out["jobs_per_s"] = round((len(lat) - len(errors)) / wall, 1)
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def summarise(lat: list[float], wall: float) -> dict:
+    lat = sorted(lat)
+    q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else lat * 99
+    return {"n": len(lat), "jobs_per_s": round(len(lat) / wall, 1), "p50_ms": round(q[49] * 1000, 1),
+            "p99_ms": round(q[98] * 1000, 1), "max_ms": round(lat[-1] * 1000, 1), "wall_s": round(wall, 2),
+            "load": loadavg()}
+
+
+def get_load(client: httpx.Client, path: str, n: int) -> dict:
+    client.get(path).raise_for_status()  # warm
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s = time.perf_counter()
+        r = client.get(path)
+        lat.append(time.perf_counter() - s)
+        r.raise_for_status()
+    out = summarise(lat, time.perf_counter() - t0)
+    out["bytes"] = len(r.content)
+    return out
+
+
+# -- seeding -----------------------------------------------------------------------------------
+def reset_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+def seed_users(settings: Settings) -> tuple[str, str, list[tuple[int, str]]]:
+    """(user token, agent token, [(user id, name)])."""
+    upgrade(settings.database_url)
+    platform = Platform.from_settings(settings)
+    try:
+        with platform.sessions() as s:
+            user, token = auth.create_user(session=s, name="bench", group="bench")
+            others = [auth.create_user(session=s, name=f"user{i}", group=f"group{i % 5}")[0] for i in range(20)]
+            agent = auth.create_agent_token(session=s)
+            return token, agent, [(user.id, user.name)] + [(u.id, u.name) for u in others]
+    finally:
+        platform.close()
+
+
+def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[str] | None = None,
+              nodes: list[str] | None = None, seed: int = 12) -> None:
+    """``n`` jobs inserted in bulk (states cycle through ``states``; default all queued), one
+    'submitted' event each, and an allocation (and a second event) for every job that started."""
+    if n <= 0:
+        return
+    rng = random.Random(seed)
+    now = utcnow()
+    states = states or ["queued"]
+    engine = create_engine(url)
+    rows = []
+    for i in range(n):
+        uid, uname = users[i % len(users)]
+        state = states[i % len(states)]
+        created = now - timedelta(seconds=n - i)
+        started = created + timedelta(seconds=1) if state != "queued" else None
+        rows.append(dict(
+            name=f"pre-{i}", user_id=uid, user_name=uname, group="bench", command=["sleep", "3600"], env={}, tags=[],
+            job_type="command", nodes=1, gpus_per_node=1, priority=rng.choice(["LOW", "NORMAL", "NORMAL", "HIGH"]),
+            submitted_priority="NORMAL", allow_cross_zone=False, suspend_grace_s=60.0, state=state, created_at=created,
+            queued_at=created, started_at=started, attempt=1 if started else 0,
+            finished_at=started + timedelta(seconds=60) if state in ("succeeded", "failed", "cancelled") else None,
+            pending_reason="waiting for the scheduler" if state == "queued" else None, reserved_nodes=[],
+            desired_action="run", user_suspended=False, suspensions=0, restarts=0, lost_gpu_s=0.0, run_s=0.0,
+        ))
+    with engine.begin() as conn:
+        for k in range(0, n, 5000):
+            conn.execute(insert(Job), rows[k:k + 5000])
+        conn.execute(text(
+            "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
+            "SELECT id, created_at, NULL, 'queued', 'submitted' FROM jobs WHERE name LIKE 'pre-%'"))
+        conn.execute(text(
+            "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
+            "SELECT id, started_at, 'queued', 'starting', 'placed' FROM jobs WHERE started_at IS NOT NULL"))
+        if nodes:
+            names = ",".join(f"'{x}'" for x in nodes)  # noqa: F841 - nodes are our own names
+            conn.execute(text(
+                "INSERT INTO job_allocations (job_id, attempt, node_name, node_rank, gpus, active, created_at) "
+                "SELECT id, 1, 'node-' || lpad(CAST((id % :k) + 1 AS TEXT), 4, '0'), 0, '[0]', "
+                "state IN ('running', 'starting'), started_at FROM jobs WHERE started_at IS NOT NULL"),
+                {"k": len(nodes)})
+    engine.dispose()
+
+
+def seed_nodes(settings: Settings, n: int) -> list[str]:
+    rng = random.Random(7)
+    now = utcnow()
+    platform = Platform.from_settings(settings)
+    names = []
+    with platform.sessions() as s:
+        for i in range(n):
+            zone = "A" if i < n // 2 else "B"
+            name = f"node-{i + 1:04d}"
+            names.append(name)
+            s.add(Node(
+                name=name, zone=zone, leaf=f"{zone}-leaf{(i % (n // 2)) // 20 + 1:02d}", gpus=8, state="ready",
+                last_heartbeat_at=now, fake_gpus=True,
+                gpu_inventory=[{"index": g, "uuid": f"G{i}-{g}", "model": "A100", "memory_total_mib": 40960}
+                               for g in range(8)],
+                gpu_metrics=[{"index": g, "uuid": f"G{i}-{g}", "util_pct": round(rng.uniform(0, 100), 1),
+                              "memory_used_mib": 1000, "memory_total_mib": 40960, "temperature_c": 50.0,
+                              "power_w": 200.0} for g in range(8)],
+            ))
+        s.commit()
+    platform.close()
+    return names
+
+
+# -- the two layouts ---------------------------------------------------------------------------
+def profile_pids(pids: list[int], out: Path, procs: Procs, name: str) -> list[subprocess.Popen]:
+    """py-spy record each pid until stop_profiles (SIGINT: py-spy writes its file then)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return [procs.start([spy, "record", "--pid", str(pid), "--rate", "50", "--format", "speedscope",
+                         "-o", str(out / f"{name}-{pid}.speedscope.json"), "--nonblocking"],
+                        log=out / f"{name}-{pid}.log") for pid in pids]
+
+
+def stop_profiles(spies: list[subprocess.Popen]) -> None:
+    for p in spies:
+        p.send_signal(signal.SIGINT)
+    for p in spies:
+        p.wait(timeout=60)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@contextmanager
+def production(work: Path, queued: int, workers: int, procs: Procs):
+    url = os.environ.get("HAI_TEST_DATABASE_URL", "")
+    redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
+    if not url.startswith("postgresql"):
+        raise SystemExit("set HAI_TEST_DATABASE_URL to a PostgreSQL database of your own")
+    reset_postgres(url)
+    settings = Settings(data_dir=work, db={"url": url}, redis={"url": redis_url})
+    token, agent_token, users = seed_users(settings)
+    seed_jobs(url, users[1:], queued)  # other users' jobs: the submitter stays under its queue limit
+    port = free_port()
+    env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work))
+    server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(workers)], env=env,
+                         log=work / "server.log")
+    sched = procs.start(HAI + ["scheduler"], env=env, log=work / "scheduler.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server")
+    layout = [("node-01", "A", "A1"), ("node-02", "A", "A2"), ("node-03", "B", "B1"), ("node-04", "B", "B2")]
+    for node, zone, leaf in layout:
+        procs.start(HAI + ["agent", "--server", base, "--token", agent_token, "--node", node, "--zone", zone,
+                           "--leaf", leaf, "--fake-gpus", "8", "--state-dir", str(work / "agents" / node),
+                           "--address", "127.0.0.1", "--stop-jobs-on-exit"], env=env, log=work / f"{node}.log")
+    yield base, token, {"server": [server.pid], "scheduler": [sched.pid]}
+
+
+@contextmanager
+def embedded(work: Path, queued: int, procs: Procs):
+    settings = Settings(data_dir=work.resolve())
+    token, _agent, users = seed_users(settings)
+    seed_jobs(settings.database_url, users[1:], queued)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAI_")}
+    dev = procs.start(HAI + ["dev", "--port", str(port), "--agents", "4", "--data-dir", str(work)], env=env,
+                      log=work / "dev.log")
+    base = f"http://127.0.0.1:{port}"
+    yield base, token, {"server": [dev.pid], "scheduler": []}
+
+
+def nodes_ready(base: str, token: str, n: int) -> bool:
+    r = httpx.get(base + "/api/v1/nodes", headers={"Authorization": f"Bearer {token}"}, timeout=5)
+    return r.status_code == 200 and sum(1 for x in r.json() if x["state"] == "ready") >= n
+
+
+def hai_case(kind: str, queued: int, n: int, profile: Path | None) -> dict:
+    procs = Procs()
+    out: dict = {"layout": kind, "queued_before": queued}
+    with tempfile.TemporaryDirectory(prefix=f"hai-api-load-{kind}-") as tmp:
+        work = Path(tmp)
+        try:
+            ctx = production(work, queued, CORES, procs) if kind == "postgresql" else embedded(work, queued, procs)
+            with ctx as (base, token, pids):
+                wait_for(lambda: nodes_ready(base, token, 4), 180, "4 ready nodes")
+                headers = {"Authorization": f"Bearer {token}"}
+
+                def client() -> httpx.Client:
+                    return httpx.Client(base_url=base, headers=headers, timeout=120)
+
+                post_load(client, "/api/v1/jobs", BODY, 20, 1)  # warm-up: imports, caches, connections
+                for in_flight in (1, 8):
+                    spies = []
+                    if profile is not None:  # the server's workers (children of uvicorn's supervisor) too
+                        targets = pids["server"] + [c for p in pids["server"] for c in children(p)] + pids["scheduler"]
+                        spies = profile_pids(targets, profile, procs, f"{kind}-q{queued}-c{in_flight}")
+                    out[f"in_flight_{in_flight}"] = r = post_load(client, "/api/v1/jobs", BODY, n, in_flight)
+                    stop_profiles(spies)
+                    print(f"  {kind:10s} queued={queued:<6d} in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s "
+                          f"p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  failed {r['failed']}"
+                          f"{' (' + r['first_error'][:120] + ')' if r['failed'] else ''}  load {r['load']}", flush=True)
+        finally:
+            procs.stop()
+            keep = Path(tempfile.gettempdir()) / f"hai-api-load-logs-{kind}-q{queued}"
+            shutil.rmtree(keep, ignore_errors=True)
+            keep.mkdir()
+            for log in work.glob("*.log"):
+                shutil.copy(log, keep / log.name)
+    return out
+
+
+# -- Slurm -------------------------------------------------------------------------------------
+SLURM_CONF = """ClusterName=haibench
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.sock
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdSpoolDir={d}/spool
+MailProg=/bin/true
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+MaxJobCount=200000
+MpiDefault=none
+ReturnToService=2
+GresTypes=gpu
+NodeName=n[0001-{nodes:04d}] NodeAddr=127.0.0.1 CPUs=64 RealMemory=512000 Gres=gpu:8 State=UNKNOWN
+PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def slurm_installed() -> bool:
+    return all(shutil.which(x) for x in ("slurmctld", "slurmrestd", "sbatch", "munged", "mungekey"))
+
+
+def slurm_case(n: int, n_nodes: int = 1250) -> dict:
+    procs = Procs()
+    d = Path(tempfile.mkdtemp(prefix="hai-slurm-"))
+    d.chmod(0o755)  # munged wants its socket's directory reachable
+    (d / "state").mkdir(mode=0o700)
+    out: dict = {"nodes": n_nodes}
+    try:
+        subprocess.run(["mungekey", "-c", "-k", str(d / "munge.key")], check=True, capture_output=True)
+        (d / "munge.key").chmod(0o600)
+        procs.start(["munged", "-F", "-f", "-S", str(d / "munge.sock"), f"--key-file={d}/munge.key",
+                     f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed", f"--log-file={d}/munged.log"],
+                    log=d / "munged.out")
+        wait_for(lambda: (d / "munge.sock").exists(), 30, "munged")
+        conf = d / "slurm.conf"
+        conf.write_text(SLURM_CONF.format(d=d, ctld_port=free_port(), slurmd_port=free_port(), nodes=n_nodes))
+        env = dict(os.environ, SLURM_CONF=str(conf))
+        procs.start(["slurmctld", "-D", "-c", "-f", str(conf)], env=env, log=d / "slurmctld.out")
+        wait_for(lambda: subprocess.run(["sinfo", "-h"], env=env, capture_output=True, timeout=10).returncode == 0,
+                 120, "slurmctld")
+        rest_env = dict(env, SLURMRESTD_SECURITY="disable_user_check")  # we run as root; local auth, unix socket
+        sock = d / "rest.sock"
+        procs.start(["slurmrestd", "-f", str(conf), "-a", "rest_auth/local", "-s", "openapi/v0.0.38",
+                     f"unix:{sock}"], env=rest_env, log=d / "slurmrestd.out")
+        wait_for(lambda: sock.exists(), 30, "slurmrestd")
+
+        # sbatch, one submitter
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n // 2):
+            s = time.perf_counter()
+            subprocess.run(["sbatch", "--hold", "-p", "batch", "-N1", "-n1", "--gres=gpu:1", "-o", "/dev/null",
+                            "--wrap", "sleep 3600"], env=env, check=True, capture_output=True, cwd=str(d))
+            lat.append(time.perf_counter() - s)
+        out["sbatch"] = r = summarise(lat, time.perf_counter() - t0)
+        print(f"  slurm      sbatch (one submitter): {r['jobs_per_s']:7.1f} jobs/s p50 {r['p50_ms']:6.1f} ms "
+              f"p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
+
+        body = {"job": {"name": "bench", "partition": "batch", "hold": True, "nodes": 1, "tasks": 1,
+                        "gpus_per_node": "1", "current_working_directory": str(d), "environment": {"PATH": "/bin"},
+                        "standard_output": "/dev/null"}, "script": "#!/bin/sh\nsleep 3600\n"}
+
+        def client() -> httpx.Client:
+            return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://slurmrestd",
+                                timeout=120)
+
+        post_load(client, "/slurm/v0.0.38/job/submit", body, 20, 1, ok=(200,))
+        for in_flight in (1, 8):
+            out[f"slurmrestd_in_flight_{in_flight}"] = r = post_load(client, "/slurm/v0.0.38/job/submit", body, n,
+                                                                     in_flight, ok=(200,))
+            print(f"  slurm      slurmrestd in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s p50 "
+                  f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
+    finally:
+        procs.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+# -- reads -------------------------------------------------------------------------------------
+READS = [
+    ("jobs", "/api/v1/jobs?limit=50"),
+    ("jobs_queued", "/api/v1/jobs?limit=50&state=queued"),
+    ("jobs_running", "/api/v1/jobs?limit=50&state=running"),
+    ("jobs_user", "/api/v1/jobs?limit=50&user=user3"),
+    ("jobs_user_succeeded", "/api/v1/jobs?limit=50&user=user3&state=succeeded"),
+    ("jobs_page_100", "/api/v1/jobs?limit=50&offset=5000"),
+    ("nodes", "/api/v1/nodes"),
+]
+
+
+def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> dict:
+    url = os.environ.get("HAI_TEST_DATABASE_URL", "")
+    redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
+    procs = Procs()
+    out: dict = {"jobs_in_table": n_jobs, "nodes": n_nodes}
+    with tempfile.TemporaryDirectory(prefix="hai-api-reads-") as tmp:
+        work = Path(tmp)
+        try:
+            reset_postgres(url)
+            settings = Settings(data_dir=work, db={"url": url}, redis={"url": redis_url})
+            token, _agent, users = seed_users(settings)
+            names = seed_nodes(settings, n_nodes)
+            t0 = time.perf_counter()
+            seed_jobs(url, users, n_jobs, nodes=names,
+                      states=["succeeded"] * 6 + ["failed", "cancelled", "queued", "running"])
+            print(f"  seeded {n_jobs} jobs in {time.perf_counter() - t0:.1f} s", flush=True)
+            eng = create_engine(url, isolation_level="AUTOCOMMIT")
+            with eng.connect() as c:  # what autovacuum does to a table that has settled
+                c.execute(text("VACUUM ANALYZE"))
+            eng.dispose()
+            port = free_port()
+            env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work))
+            server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(CORES)], env=env,
+                                 log=work / "server.log")
+            # no scheduler and no agents: the seeded nodes would go 'lost' after 30 s without
+            # heartbeats and the reaper would requeue their 10,000 running jobs mid-measurement
+            base = f"http://127.0.0.1:{port}"
+            wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server")
+            spies = []
+            if profile is not None:
+                spies = profile_pids([server.pid] + children(server.pid), profile, procs, "reads")
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+                for name, path in READS:
+                    out[name] = r = get_load(c, path, repeat)
+                    print(f"  reads {name:22s} p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms "
+                          f"({r['bytes']} bytes)  load {r['load']}", flush=True)
+            stop_profiles(spies)
+        finally:
+            procs.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=1000, help="submissions per case")
+    ap.add_argument("--queued", type=int, nargs="+", default=[0, 10_000])
+    ap.add_argument("--only", nargs="+", default=["postgresql", "sqlite", "slurm"],
+                    choices=["postgresql", "sqlite", "slurm"])
+    ap.add_argument("--reads", action="store_true", help="also the read benchmark (100,000 jobs, 1,250 nodes)")
+    ap.add_argument("--reads-only", action="store_true")
+    ap.add_argument("--read-jobs", type=int, default=100_000)
+    ap.add_argument("--repeat", type=int, default=200, help="requests per read")
+    ap.add_argument("--profile", type=Path, help="py-spy record the server workers and the scheduler into DIR")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "api_load.json")
+    args = ap.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    results: dict = {"cores": CORES, "load_before": loadavg(), "jobs_per_case": args.jobs,
+                     "note": "shared VM: 2 cores, 8 engineers; load average next to every figure"}
+    print(f"api_load: {args.jobs} submissions per case, {CORES} cores, load {loadavg()} (shared VM)", flush=True)
+    if not args.reads_only:
+        if "slurm" in args.only:
+            results["slurm"] = slurm_case(args.jobs) if slurm_installed() else None
+        for kind in ("postgresql", "sqlite"):
+            if kind in args.only:
+                results[kind] = [hai_case(kind, q, args.jobs, args.profile) for q in args.queued]
+        slurm = results.get("slurm")
+        if slurm:
+            ratios = {}
+            for kind in ("postgresql", "sqlite"):
+                for case in results.get(kind, []):
+                    for c in (1, 8):
+                        ratios[f"{kind}_q{case['queued_before']}_c{c}"] = round(
+                            case[f"in_flight_{c}"]["jobs_per_s"] / slurm[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2)
+            results["ratio_to_slurmrestd"] = ratios
+            for k, v in ratios.items():
+                print(f"  ratio to slurmrestd (same in-flight) {k}: {v:.2f}x")
+    if args.reads or args.reads_only:
+        results["reads"] = reads_case(args.read_jobs, 1250, args.repeat, args.profile)
+    results["load_after"] = loadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
