@@ -59,14 +59,14 @@ def submit(
 @router.get("", response_model=JobList)
 def list_jobs(
     session: SessionDep,
-    _user: CurrentUser,
+    viewer: CurrentUser,
     state: Annotated[list[JobState] | None, Query(description="filter by state (repeatable)")] = None,
     user: Annotated[str | None, Query(description="filter by user name")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> JobList:
     items, total = job_service.list_jobs(session=session, state=state or (), user_name=user, limit=limit, offset=offset)
-    return job_list(session=session, jobs=items, total=total)
+    return job_list(session=session, jobs=items, total=total, viewer=viewer)
 
 
 @router.get("/{job_id}", response_model=JobRead)
