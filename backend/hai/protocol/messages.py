@@ -9,6 +9,9 @@ from hai.protocol.vocab import DesiredAction, StopCause
 PROTOCOL_VERSION = 1
 # The server accepts agents speaking any of these versions.
 SUPPORTED_VERSIONS = frozenset({1})
+# any integer parses (so the server can answer an unknown version with a 426 that says which it
+# speaks); the schema lists the versions that are accepted
+_VERSION_FIELD = Field(default=PROTOCOL_VERSION, json_schema_extra={"enum": sorted(SUPPORTED_VERSIONS)})
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -108,7 +111,7 @@ class AttemptStatus(_Msg):
 class AgentHello(_Msg):
     """Handshake: sent when the agent starts and whenever the server asks it to re-register."""
 
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     zone: str | None = None
     leaf: str | None = None
@@ -121,7 +124,7 @@ class AgentHello(_Msg):
 
 
 class Heartbeat(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     gpus: list[GpuMetrics] = Field(default_factory=list)
     attempts: list[AttemptStatus] = Field(default_factory=list)
@@ -167,7 +170,7 @@ class Assignment(_Msg):
 
 
 class ServerReply(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     assignments: list[Assignment] = Field(default_factory=list)
     assignments_digest: str
@@ -188,7 +191,7 @@ class LogLine(_Msg):
 
 
 class LogBatch(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     # lines the agent dropped because its buffer overflowed arrive as a "system" line
     # ("[hai] N lines dropped ...") in the same sequence, so the gap is visible and counted

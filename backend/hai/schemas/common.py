@@ -80,3 +80,25 @@ class QuotaList(BaseModel):
 class Health(BaseModel):
     status: str
     database: str
+
+
+class ErrorRead(BaseModel):
+    """The body of every refusal other than a 422: what went wrong, in words."""
+
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for the refusals a route can answer (issue 13: every status the API
+    sends is declared, so clients and schemathesis can hold it to its schema)."""
+    words = {
+        400: "a credential in the query string (tokens go in the Authorization header only)",
+        401: "no token, or an invalid, revoked or expired one",
+        403: "the token is valid but may not do this",
+        404: "no such resource",
+        409: "the resource is not in a state that allows this",
+        413: "the request body is over HAI_LIMITS__MAX_BODY_BYTES",
+        426: "the agent's protocol version is not one the server speaks",
+        429: "too many queued jobs, or too many failed authentications (see Retry-After)",
+    }
+    return {code: {"model": ErrorRead, "description": words[code]} for code in codes}
