@@ -23,7 +23,18 @@ from hai.services.jobs import get_job, publish_after_commit
 FOLLOW_WAIT_S = 15.0  # a followed log re-reads at least this often without a notification
 
 
-def append_batch(*, session: Session, batch: LogBatch) -> int:
+TRUNCATED = "[hai: line truncated, {n} more characters]"
+
+
+def clip(line: str, max_chars: int) -> str:
+    """A line over ``max_chars`` keeps its first ``max_chars`` characters and says how much was
+    cut (HAI_LIMITS__MAX_LOG_LINE_CHARS), so a reader sees that the line goes on."""
+    if len(line) <= max_chars:
+        return line
+    return line[:max_chars] + " " + TRUNCATED.format(n=len(line) - max_chars)
+
+
+def append_batch(*, session: Session, batch: LogBatch, max_line_chars: int = 16 * 1024) -> int:
     if not batch.lines:
         return 0
     job_ids = sorted({line.job_id for line in batch.lines})
@@ -36,7 +47,7 @@ def append_batch(*, session: Session, batch: LogBatch) -> int:
             "seq": line.seq,
             "ts": line.ts,
             "stream": line.stream,
-            "line": line.line[:16384],
+            "line": clip(line.line, max_line_chars),
         }
         for line in batch.lines
         if line.job_id in known
