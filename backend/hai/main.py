@@ -68,6 +68,7 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     limits = (platform.settings if platform else (settings or get_settings())).limits
     app.state.auth_failures = guards.AuthFailures(limits)
     app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(guards.AllowHeader, routes_of=lambda: app.routes)
     errors.install(app)
     # issue 13: every refusal a route can send is declared in the OpenAPI schema
     user_errors = error_responses(400, 401, 403, 404, 409, 413, 429)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import typing
+
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hai.protocol.vocab import DesiredAction, StopCause
 
@@ -36,8 +38,23 @@ __all__ = [
 ]
 
 
+def _numbers_not_bools(cls: type[BaseModel], data: object) -> object:
+    """JSON true/false where the schema says number is refused, not read as 1/0 (pydantic's lax
+    mode would; found by schemathesis, issue 13)."""
+    if isinstance(data, dict):
+        for name, f in cls.model_fields.items():
+            value = data.get(name)
+            if isinstance(value, bool):
+                kinds = set(typing.get_args(f.annotation)) or {f.annotation}
+                if bool not in kinds and kinds & {int, float}:
+                    raise ValueError(f"{name}: a number is expected, not {str(value).lower()}")
+    return data
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")  # newer peers may add fields
+
+    _no_bools = model_validator(mode="before")(classmethod(_numbers_not_bools))
 
 
 class GpuInfo(_Msg):

@@ -101,4 +101,7 @@ def error_responses(*codes: int) -> dict[int | str, dict]:
         426: "the agent's protocol version is not one the server speaks",
         429: "too many queued jobs, or too many failed authentications (see Retry-After)",
     }
-    return {code: {"model": ErrorRead, "description": words[code]} for code in codes}
+    # JSON even on routes whose own responses are text (the logs): the content is spelled out, as
+    # FastAPI would otherwise document the model under the route's media type
+    schema = {"$ref": "#/components/schemas/ErrorRead"}
+    return {code: {"description": words[code], "content": {"application/json": {"schema": schema}}} for code in codes}
