@@ -152,3 +152,30 @@ def test_a_log_line_over_the_limit_is_cut_with_a_visible_marker(api):
         "[rank 0] " + exact,
     ]
     assert "b" not in got[0]
+
+
+def test_a_followed_log_ends_after_the_follow_limit(tmp_path):
+    """HAI_LIMITS__MAX_FOLLOW_S: a stream on a job that never ends is closed with a `limit` event
+    instead of being held open for ever (default 0: until the job ends)."""
+    from fastapi.testclient import TestClient
+
+    from hai.db.models import Base
+    from hai.main import create_app
+    from hai.services.context import Platform
+    from tests.conftest import Api
+
+    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", limits=LimitsSettings(max_follow_s=0.5))
+    p = Platform.from_settings(s)
+    Base.metadata.create_all(p.engine)
+    try:
+        with TestClient(create_app(p)) as client:
+            api = Api(client, p)
+            api.register_node("n0")
+            job = api.submit(**BODY)  # queued: it would stream for ever
+            with client.stream("GET", f"/api/v1/jobs/{job['id']}/logs", params={"follow": "true"},
+                               headers=api.h(api.alice)) as resp:
+                assert resp.status_code == 200
+                events = [ln for ln in resp.iter_lines() if ln.startswith("event:")]
+            assert events == ["event: limit"]
+    finally:
+        p.close()

@@ -111,5 +111,6 @@ async def logs(
     if not follow:
         text = await run_in_threadpool(lambda: log_service.read_text(platform=platform, user=user, query=query))
         return PlainTextResponse(text)
-    events = await log_service.follow(platform=platform, user=user, query=query, is_disconnected=request.is_disconnected)
+    events = await log_service.follow(platform=platform, user=user, query=query, is_disconnected=request.is_disconnected,
+                                      max_s=platform.settings.limits.max_follow_s)
     return EventSourceResponse(events, ping=15)

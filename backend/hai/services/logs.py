@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+import time
 from datetime import datetime, timezone
 
 import anyio.to_thread
@@ -144,12 +145,14 @@ async def follow(
     query: LogQuery,
     is_disconnected: Callable[[], Awaitable[bool]],
     wait_s: float = FOLLOW_WAIT_S,
+    max_s: float = 0.0,
 ) -> AsyncIterator[dict[str, str]]:
     """Server-sent events for a followed log: ``log`` per line, then ``end`` with the final state
     once the job is terminal (after draining what arrived after it ended). Reads the first page
     before returning, so a missing job or a forbidden one raises before the stream starts. Each
     page is read in a worker thread with its own session; between pages the stream waits for
-    the job's log topic (or ``wait_s``)."""
+    the job's log topic (or ``wait_s``). ``max_s`` > 0 (HAI_LIMITS__MAX_FOLLOW_S): a stream
+    still open after that long ends with a ``limit`` event (the client follows again)."""
     topic = notify.job_topic(query.job_id)
 
     def page(after_id: int) -> LogPage:
@@ -157,6 +160,8 @@ async def follow(
             return read_page(session=session, user=user, query=query, after_id=after_id)
 
     first = await anyio.to_thread.run_sync(page, 0)
+
+    deadline = time.monotonic() + max_s if max_s > 0 else None
 
     async def stream() -> AsyncIterator[dict[str, str]]:
         p = first
@@ -177,6 +182,10 @@ async def follow(
             since = platform.notifier.version(topic)
             p = await anyio.to_thread.run_sync(page, p.cursor)
             if not p.more and not p.state.terminal:
-                await platform.notifier.wait_async(topic, since, wait_s)
+                left = wait_s if deadline is None else min(wait_s, deadline - time.monotonic())
+                if left <= 0:
+                    yield {"event": "limit", "data": f"followed for {max_s:g} s (HAI_LIMITS__MAX_FOLLOW_S); follow again"}
+                    return
+                await platform.notifier.wait_async(topic, since, left)
 
     return stream()
