@@ -3,7 +3,7 @@ stateful), every check, positive and negative data (`--mode all`), twice — the
 with a user token, and the agent protocol with the node credential. Prints and writes the case
 counts and failures; exits 1 if either run found a problem.
 
-    .venv/bin/python benchmarks/schemathesis_api.py --max-examples 60   # the long run (1,000+ cases each)
+    .venv/bin/python benchmarks/schemathesis_api.py --max-examples 10 --agent-max-examples 40   # 1,000+ cases each
 
 tests/faults/test_schemathesis.py runs the same with a few examples per operation."""
 
@@ -168,6 +168,8 @@ def _count(text: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-examples", type=int, default=60, help="cases per operation and phase (schemathesis -n)")
+    ap.add_argument("--agent-max-examples", type=int, default=None,
+                    help="the same for the agent protocol's 3 operations (default: --max-examples)")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "schemathesis")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "schemathesis.json")
@@ -179,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             run_schemathesis(server, name="user-api", token=server.admin, tag_args=["--exclude-tag", "agent"],
                              max_examples=args.max_examples, seed=args.seed, out=args.out, max_time_s=args.max_time),
             run_schemathesis(server, name="agent-protocol", token=server.agent, tag_args=["--include-tag", "agent"],
-                             max_examples=args.max_examples, seed=args.seed, out=args.out, max_time_s=args.max_time),
+                             max_examples=args.agent_max_examples or args.max_examples, seed=args.seed, out=args.out, max_time_s=args.max_time),
         ]
         logged_5xx = server.server_errors_logged()
     load = os.getloadavg()
-    doc = {"max_examples": args.max_examples, "seed": args.seed, "load_average": load, "server_5xx_logged": logged_5xx,
+    doc = {"max_examples": args.max_examples, "agent_max_examples": args.agent_max_examples or args.max_examples,
+           "seed": args.seed, "load_average": load, "server_5xx_logged": logged_5xx,
            "runs": [asdict(r) | {"summary": None} for r in results]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=2) + "\n")
