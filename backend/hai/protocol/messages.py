@@ -38,17 +38,25 @@ __all__ = [
 ]
 
 
-def _numbers_not_bools(cls: type[BaseModel], data: object) -> object:
-    """JSON true/false where the schema says number is refused, not read as 1/0 (pydantic's lax
-    mode would; found by schemathesis, issue 13)."""
+def json_types_only(cls: type[BaseModel], data: object) -> object:
+    """A model-level before-validator: JSON true/false where the schema says number, and anything
+    but true/false where it says boolean, are refused — pydantic's lax mode would read them as
+    1/0 and 0/1/"yes" as booleans (found by schemathesis, issue 13)."""
     if isinstance(data, dict):
         for name, f in cls.model_fields.items():
-            value = data.get(name)
-            if isinstance(value, bool):
-                kinds = set(typing.get_args(f.annotation)) or {f.annotation}
-                if bool not in kinds and kinds & {int, float}:
-                    raise ValueError(f"{name}: a number is expected, not {str(value).lower()}")
+            key = f.alias or name
+            if key not in data or data[key] is None:
+                continue
+            value = data[key]
+            kinds = set(typing.get_args(f.annotation)) or {f.annotation}
+            if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"{key}: a number is expected, not {str(value).lower()}")
+            if not isinstance(value, bool) and bool in kinds and not kinds - {bool, type(None)}:
+                raise ValueError(f"{key}: true or false is expected, not {value!r}")
     return data
+
+
+_numbers_not_bools = json_types_only
 
 
 class _Msg(BaseModel):

@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hai.domain.jobs import Priority
 from hai.domain.nodes import NodeState
+from hai.protocol.messages import json_types_only
 
 
 class UserRead(BaseModel):
@@ -16,6 +17,7 @@ class UserRead(BaseModel):
 
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     name: str = Field(min_length=1, max_length=128)
     expires_in_s: float | None = Field(
         default=None, gt=0, le=10 * 366 * 24 * 3600, description="the token is refused after this long (default: never)"
@@ -66,6 +68,7 @@ class NodeRead(BaseModel):
 
 class QuotaItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     group: str = Field(min_length=1, max_length=64)
     priority: Priority
     user: str | None = Field(default=None, max_length=64)
@@ -74,6 +77,7 @@ class QuotaItem(BaseModel):
 
 class QuotaList(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     items: list[QuotaItem]
 
 

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
 
 from hai.domain.jobs import JobState, JobType, Priority
+from hai.protocol.messages import json_types_only
 
 
 # issue 13: the most a job's argv and environment may weigh (bytes of UTF-8, with one NUL per
@@ -15,6 +16,7 @@ MAX_ENV_BYTES = 64 * 1024
 
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
 
     name: str = Field(min_length=1, max_length=128)
     command: list[str] = Field(
