@@ -53,6 +53,13 @@ def json_types_only(cls: type[BaseModel], data: object) -> object:
                 raise ValueError(f"{key}: a number is expected, not {str(value).lower()}")
             if not isinstance(value, bool) and bool in kinds and not kinds - {bool, type(None)}:
                 raise ValueError(f"{key}: true or false is expected, not {value!r}")
+            # the items of a list[int|float] / the values of a dict[str, int|float]
+            origin, args = typing.get_origin(f.annotation), typing.get_args(f.annotation)
+            items = (value.values() if origin is dict and isinstance(value, dict) and len(args) == 2 else
+                     value if origin is list and isinstance(value, list) and len(args) == 1 else ())
+            inner = (set(typing.get_args(args[-1])) or {args[-1]}) if args else set()
+            if bool not in inner and inner & {int, float} and any(isinstance(v, bool) for v in items):
+                raise ValueError(f"{key}: numbers are expected, not true/false")
     return data
 
 
