@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import typing
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -66,6 +66,12 @@ def json_types_only(cls: type[BaseModel], data: object) -> object:
 _numbers_not_bools = json_types_only
 
 
+# ids and counters fit the database's columns (an out-of-range number is a 422, not a 500 from
+# the driver; found by schemathesis, issue 13)
+Id = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")  # newer peers may add fields
 
@@ -119,8 +125,8 @@ class ProgressInfo(_Msg):
 
 
 class AttemptStatus(_Msg):
-    job_id: int
-    attempt: int
+    job_id: Id
+    attempt: Count
     ranks: list[RankStatus] = Field(default_factory=list)
     launch_error: str | None = None  # the attempt could not be launched at all
     suspend_ready: bool = False  # the job said its checkpoint is safe
@@ -213,10 +219,10 @@ class ServerReply(_Msg):
 
 
 class LogLine(_Msg):
-    job_id: int
-    attempt: int
-    rank: int
-    seq: int  # per (job, attempt, rank), from 0, so a re-sent batch is not stored twice
+    job_id: Id
+    attempt: Count
+    rank: Count
+    seq: Count  # per (job, attempt, rank), from 0, so a re-sent batch is not stored twice
     ts: float
     stream: Literal["stdout", "stderr", "system"] = "stdout"
     line: str
