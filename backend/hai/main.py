@@ -11,6 +11,7 @@ from fastapi.responses import HTMLResponse
 
 from hai.api import agent, errors, guards, health, jobs, metrics, nodes, telemetry, users
 from hai.api.spa import SpaStaticFiles
+from hai.schemas.common import error_responses
 from hai.services.context import Platform
 from hai.settings import Settings, get_settings
 
@@ -67,10 +68,15 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     limits = (platform.settings if platform else (settings or get_settings())).limits
     app.state.auth_failures = guards.AuthFailures(limits)
     app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(guards.AllowHeader, routes_of=lambda: app.routes)
     errors.install(app)
-    for module in (health, jobs, nodes, users, agent, metrics, telemetry):
-        app.include_router(module.router)
-    app.include_router(nodes.validations_router)  # issue 10: GET /api/v1/validations/{id}
+    # issue 13: every refusal a route can send is declared in the OpenAPI schema
+    user_errors = error_responses(400, 401, 403, 404, 409, 413, 429)
+    app.include_router(health.router, responses=error_responses(400))
+    for module in (jobs, nodes, users, metrics, telemetry):
+        app.include_router(module.router, responses=user_errors)
+    app.include_router(agent.router, responses=user_errors | error_responses(426))
+    app.include_router(nodes.validations_router, responses=user_errors)  # issue 10: GET /api/v1/validations/{id}
 
     configured = (platform.settings if platform else (settings or get_settings())).frontend_dist
     dist = find_dashboard(configured)

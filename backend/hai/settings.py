@@ -146,6 +146,12 @@ class LimitsSettings(BaseModel):
     # gets 429 with Retry-After until the window has passed
     auth_failures: int = Field(default=20, ge=1)
     auth_failure_window_s: int = Field(default=60, ge=1)
+    # a log line longer than this (characters) is stored cut, ending in a visible marker
+    # "[hai: line truncated, N more characters]"
+    max_log_line_chars: int = Field(default=16 * 1024, ge=64)
+    # a followed log (GET /jobs/{id}/logs?follow=true) open this long ends with a `limit` event
+    # (0: until the job ends)
+    max_follow_s: float = Field(default=0.0, ge=0)
 
 
 class Settings(BaseSettings):

@@ -18,7 +18,8 @@ BODY = {"name": "j", "command": ["echo", "hi"], "gpus_per_node": 1}
 
 @pytest.fixture
 def settings(tmp_path) -> Settings:
-    limits = LimitsSettings(max_body_bytes=200_000, max_queued_jobs_per_user=3, auth_failures=4, auth_failure_window_s=600)
+    limits = LimitsSettings(max_body_bytes=200_000, max_queued_jobs_per_user=3, auth_failures=4, auth_failure_window_s=600,
+                            max_log_line_chars=100)
     return Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "no-dashboard", limits=limits)
 
 
@@ -129,3 +130,52 @@ def test_a_token_without_expiry_never_expires(api):
     created = api.post("/api/v1/tokens", json={"name": "forever"}).json()
     assert created["expires_at"] is None
     assert api.get("/api/v1/me", created["token"]).status_code == 200
+
+
+def test_a_log_line_over_the_limit_is_cut_with_a_visible_marker(api):
+    """HAI_LIMITS__MAX_LOG_LINE_CHARS (100 here): an agent's line of 250 characters is stored as
+    its first 100 and a marker saying how much was cut; lines within the limit are untouched."""
+    from hai.protocol import LogBatch, LogLine
+
+    api.register_node("n0")
+    job = api.submit(**BODY)
+    long, short, exact = "a" * 150 + "b" * 100, "short line", "c" * 100
+    lines = [LogLine(job_id=job["id"], attempt=1, rank=0, seq=i, ts=float(i), line=text)
+             for i, text in enumerate((long, short, exact))]
+    r = api.client.post("/api/v1/agent/logs", json=LogBatch(node="n0", lines=lines).model_dump(mode="json"),
+                        headers=api.h(api.agent))
+    assert r.status_code == 200 and r.json() == {"accepted": 3}, r.text
+    got = api.get(f"/api/v1/jobs/{job['id']}/logs").text.splitlines()
+    assert got == [
+        "[rank 0] " + "a" * 100 + " [hai: line truncated, 150 more characters]",
+        "[rank 0] short line",
+        "[rank 0] " + exact,
+    ]
+    assert "b" not in got[0]
+
+
+def test_a_followed_log_ends_after_the_follow_limit(tmp_path):
+    """HAI_LIMITS__MAX_FOLLOW_S: a stream on a job that never ends is closed with a `limit` event
+    instead of being held open for ever (default 0: until the job ends)."""
+    from fastapi.testclient import TestClient
+
+    from hai.db.models import Base
+    from hai.main import create_app
+    from hai.services.context import Platform
+    from tests.conftest import Api
+
+    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", limits=LimitsSettings(max_follow_s=0.5))
+    p = Platform.from_settings(s)
+    Base.metadata.create_all(p.engine)
+    try:
+        with TestClient(create_app(p)) as client:
+            api = Api(client, p)
+            api.register_node("n0")
+            job = api.submit(**BODY)  # queued: it would stream for ever
+            with client.stream("GET", f"/api/v1/jobs/{job['id']}/logs", params={"follow": "true"},
+                               headers=api.h(api.alice)) as resp:
+                assert resp.status_code == 200
+                events = [ln for ln in resp.iter_lines() if ln.startswith("event:")]
+            assert events == ["event: limit"]
+    finally:
+        p.close()

@@ -46,9 +46,10 @@ TOMBSTONE_TTL_S = 7 * 24 * 3600
 Key = tuple[int, int]  # (job id, attempt)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, *, mode: int = 0o644) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        os.fchmod(f.fileno(), mode)
         json.dump(data, f)
     os.replace(tmp, path)
 
@@ -214,7 +215,7 @@ class AttemptStore:
         return att
 
     def save(self, att: Attempt) -> None:
-        write_json_atomic(att.dir / "attempt.json", att.to_json())
+        write_json_atomic(att.dir / "attempt.json", att.to_json(), mode=0o600)  # holds the job's env
 
     def load(self) -> list[Attempt]:
         """Every readable record, in folder order. A folder without a record (the agent crashed

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hai.agent import gpu as gpu_topology
 from hai.agent.procs import signal_group, start_ticks
+from hai.agent.users import Account
 from hai.protocol import GpuInfo, LaunchSpec, NicInfo
 
 RANKWRAP = str(Path(__file__).with_name("rankwrap.py"))
@@ -189,9 +190,13 @@ def check_executable(argv0: str, env: dict[str, str], cwd: str | None) -> None:
 
 
 def spawn_rank(plan: RankPlan, *, cwd: str | None, stdout_path: str, stderr_path: str,
-               exit_path: str, pid_path: str) -> RankProc:
-    """Start the rank under the wrapper as a new session (its own process group)."""
+               exit_path: str, pid_path: str, account: Account | None = None) -> RankProc:
+    """Start the rank under the wrapper as a new session (its own process group). With an
+    ``account`` the wrapper (the agent's user) runs the command under that Unix account."""
     argv = [sys.executable, "-I", "-S", RANKWRAP, "--exit-file", exit_path, "--pid-file", pid_path]
+    if account is not None:
+        argv += ["--uid", str(account.uid), "--gid", str(account.gid),
+                 "--groups", ",".join(str(g) for g in account.groups)]
     if plan.cpus:
         argv += ["--cpus", ",".join(str(c) for c in plan.cpus)]
     argv += ["--", *plan.argv]

@@ -37,6 +37,7 @@ from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
 from hai.agent.faults import FaultEffects, FaultPlan  # issue 10
 from hai.agent.validators import Validator, make_context  # issue 10
+from hai.agent.users import UserMap
 from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
 
 log = logging.getLogger("hai.agent")
@@ -118,6 +119,7 @@ class AgentOptions:
     status_refresh_s: float = 5.0
     sysfs: str = "/sys"
     inject_faults: tuple[str, ...] | None = None  # fake GPUs: KIND[@SECONDS] (agent/faults.py; issue 10)
+    user_map: str | None = None  # issue 13: ranks run as the submitter's Unix account (agent/users.py)
 
     def gpu_backend(self) -> GpuBackend:
         indices = self.gpu_indices
@@ -164,7 +166,8 @@ class Agent:
         self._wake = threading.Event()
         self.node = NodeAgent(node=o.node, state_dir=o.state_dir, gpus=self.gpus, nics=self.nics, log_buffer=self.buf,
                               checkpoint_root=o.checkpoint_root, kill_grace_s=o.kill_grace_s, sysfs=o.sysfs,
-                              on_change=self._changed, on_progress=self._soft.set)
+                              on_change=self._changed, on_progress=self._soft.set,
+                              user_map=UserMap(o.user_map) if o.user_map else None)
         self.periodic: list[Periodic] = [
             Periodic("hai-agent-supervise", self.node.tick, 0.1),
             Periodic("hai-agent-tail", lambda: self.node.tail_logs() > 0, 0.1),

@@ -23,6 +23,7 @@ from hai.agent.attempts import Attempt, AttemptStore, Key, Rank, read_events, re
 from hai.agent.gpu import GpuBackend
 from hai.agent.logs import LogBuffer, tail_attempt
 from hai.agent.procs import SIGKILL_EXIT, exit_code_from_returncode, is_alive, signal_group
+from hai.agent.users import UnmappedUser, UserMap, own_private
 from hai.protocol import Assignment, AttemptStatus, DesiredAction, GpuMetrics, NicInfo, StopCause
 
 log = logging.getLogger("hai.agent")
@@ -43,6 +44,7 @@ class NodeAgent:
         on_change: Callable[[], None] | None = None,
         on_progress: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
+        user_map: UserMap | None = None,
     ):
         self.node = node
         self.store = AttemptStore(state_dir)
@@ -58,6 +60,7 @@ class NodeAgent:
         self.on_change = on_change or (lambda: None)  # worth reporting at once
         self.on_progress = on_progress or (lambda: None)  # worth reporting soon (progress)
         self.clock = clock
+        self.user_map = user_map  # issue 13: None = ranks run as the agent's own user (development)
         self.lock = threading.RLock()
         self._tail_lock = threading.Lock()
         self.attempts: dict[Key, Attempt] = {}
@@ -175,11 +178,23 @@ class NodeAgent:
         self.attempts[att.key] = att
         self.launches += 1
         try:
+            try:
+                account = self.user_map.account(spec.user) if self.user_map is not None else None
+            except UnmappedUser as e:
+                raise launcher.LaunchError(str(e)) from None
             ckpt.mkdir(parents=True, exist_ok=True)
+            # the job's checkpoint and log folders: its owner's only (issue 13); the attempt's
+            # own folder (its record, with the job's environment) stays the agent's, passable
+            os.chmod(att.dir, 0o711)
+            for folder in (ckpt, att.ranks_dir, att.control_dir):
+                own_private(folder, account)
             plans = launcher.plan_ranks(
                 spec, job_id=a.job_id, attempt=a.attempt, node=self.node, node_gpus=self.gpu_inventory,
                 nics=self.nics, control_dir=str(att.control_dir), checkpoint_dir=str(ckpt), sysfs=self.sysfs,
             )
+            if account is not None:
+                for plan in plans:
+                    plan.env.update(HOME=account.home, USER=account.name, LOGNAME=account.name)
             cwd = spec.cwd
             if cwd is not None and not os.path.isdir(cwd):
                 raise launcher.LaunchError(f"working directory {cwd} does not exist")
@@ -203,6 +218,7 @@ class NodeAgent:
                     plan, cwd=cwd, stdout_path=str(att.rank_path(r.rank, "stdout")),
                     stderr_path=str(att.rank_path(r.rank, "stderr")),
                     exit_path=str(att.rank_path(r.rank, "exit")), pid_path=str(att.rank_path(r.rank, "pid")),
+                    account=account,
                 )
             except OSError as e:
                 att.launch_error = f"rank {r.rank} could not be started: {e}"

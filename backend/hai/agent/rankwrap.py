@@ -119,6 +119,8 @@ def _cleanup(me: int) -> None:
 def main(argv: list[str]) -> int:
     exit_file = pid_file = None
     cpus: list[int] | None = None
+    uid = gid = None
+    groups: list[int] = []
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -134,12 +136,21 @@ def main(argv: list[str]) -> int:
         elif a == "--cpus":
             cpus = [int(c) for c in argv[i + 1].split(",") if c]
             i += 2
+        elif a == "--uid":
+            uid = int(argv[i + 1])
+            i += 2
+        elif a == "--gid":
+            gid = int(argv[i + 1])
+            i += 2
+        elif a == "--groups":
+            groups = [int(g) for g in argv[i + 1].split(",") if g]
+            i += 2
         else:
             print(f"[hai] rankwrap: unknown option {a}", file=sys.stderr)
             return 2
     cmd = argv[i:]
     if not cmd or exit_file is None:
-        print("[hai] rankwrap: usage: --exit-file F [--pid-file P] [--cpus L] -- CMD...", file=sys.stderr)
+        print("[hai] rankwrap: usage: --exit-file F [--pid-file P] [--cpus L] [--uid U --gid G [--groups L]] -- CMD...", file=sys.stderr)
         return 2
 
     me = os.getpid()
@@ -155,7 +166,10 @@ def main(argv: list[str]) -> int:
             print(f"[hai] could not bind to CPUs {cpus}: {e}", file=sys.stderr, flush=True)
 
     try:
-        child = subprocess.Popen(cmd)
+        # --uid: the command runs as the submitter's account (issue 13); the wrapper keeps the
+        # agent's user, to write the exit file and clean up after the command
+        as_user = {} if uid is None else {"user": uid, "group": gid, "extra_groups": groups}
+        child = subprocess.Popen(cmd, **as_user)
     except FileNotFoundError:
         print(f"[hai] command not found: {cmd[0]}", file=sys.stderr, flush=True)
         code = 127

@@ -60,5 +60,9 @@ async def heartbeat(hb: Heartbeat, platform: PlatformDep, _agent: AgentPrincipal
 
 @router.post("/logs", response_model=LogAck)
 def logs(batch: LogBatch, platform: PlatformDep, _agent: AgentPrincipal) -> LogAck:
+    agent_service.check_version(batch.protocol_version)
     with platform.sessions() as session:
-        return LogAck(accepted=log_service.append_batch(session=session, batch=batch))
+        accepted = log_service.append_batch(
+            session=session, batch=batch, max_line_chars=platform.settings.limits.max_log_line_chars
+        )
+        return LogAck(accepted=accepted)

@@ -127,3 +127,40 @@ def install_redaction() -> None:
         for handler in logger.handlers:
             if not any(isinstance(f, RedactTokens) for f in handler.filters):
                 handler.addFilter(flt)
+
+
+class AllowHeader:
+    """A 405 names every method the path supports in ``Allow`` (RFC 9110), not only those of the
+    first route that matched the path (Starlette's answer; found by schemathesis, issue 13)."""
+
+    def __init__(self, app, routes_of):  # noqa: ANN001
+        self.app = app
+        self.routes_of = routes_of  # () -> the app's routes, read when first needed
+        self._paths: list[tuple[object, set[str]]] | None = None
+
+    def _methods(self, path: str) -> set[str]:
+        if self._paths is None:
+            from fastapi.routing import iter_route_contexts
+            from starlette.routing import compile_path
+
+            paths: dict[str, set[str]] = {}
+            for ctx in iter_route_contexts(self.routes_of()):
+                if ctx.path and ctx.methods:
+                    paths.setdefault(ctx.path, set()).update(ctx.methods)
+            self._paths = [(compile_path(p)[0], m) for p, m in paths.items()]
+        return {m for regex, methods in self._paths if regex.match(path) for m in methods}
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_allow(message):  # noqa: ANN001, ANN202
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                methods = self._methods(scope["path"])
+                if methods:
+                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
+                    headers.append((b"allow", ", ".join(sorted(methods)).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_allow)

@@ -59,7 +59,7 @@ def submit(
 @router.get("", response_model=JobList)
 def list_jobs(  # noqa: PLR0913
     session: SessionDep,
-    _user: CurrentUser,
+    viewer: CurrentUser,
     state: Annotated[list[JobState] | None, Query(description="filter by state (repeatable)")] = None,
     user: Annotated[str | None, Query(description="filter by user name")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -73,7 +73,8 @@ def list_jobs(  # noqa: PLR0913
         session=session, state=state or (), user_name=user, limit=limit, offset=offset, before_id=before_id
     )
     # serialised by pydantic-core directly (no second validation, no json.dumps of the page)
-    return Response(job_list(session=session, jobs=items, total=total).model_dump_json(), media_type="application/json")
+    page = job_list(session=session, jobs=items, total=total, viewer=viewer)
+    return Response(page.model_dump_json(), media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobRead)
@@ -118,5 +119,6 @@ async def logs(
     if not follow:
         text = await run_in_threadpool(lambda: log_service.read_text(platform=platform, user=user, query=query))
         return PlainTextResponse(text)
-    events = await log_service.follow(platform=platform, user=user, query=query, is_disconnected=request.is_disconnected)
+    events = await log_service.follow(platform=platform, user=user, query=query, is_disconnected=request.is_disconnected,
+                                      max_s=platform.settings.limits.max_follow_s)
     return EventSourceResponse(events, ping=15)

@@ -8,7 +8,7 @@ from pydantic import TypeAdapter
 from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import AdminUser, CurrentUser, PlatformDep, SessionDep
-from hai.schemas.common import GpuRead, NodeRead
+from hai.schemas.common import ErrorRead, GpuRead, NodeRead
 from hai.schemas.nodes import (
     ChecksFailedError,
     NodeDetail,
@@ -82,7 +82,7 @@ def drain(name: str, body: NodeDrain, session: SessionDep, user: AdminUser) -> N
     return _detail(session, name)
 
 
-@router.post("/{name}/undrain", response_model=NodeDetail, responses={409: {"model": ChecksFailedError}})
+@router.post("/{name}/undrain", response_model=NodeDetail, responses={409: {"model": ChecksFailedError | ErrorRead, "description": "failed checks, or a node that is not drained"}})
 async def undrain(name: str, platform: PlatformDep, user: AdminUser, body: NodeUndrain | None = None) -> NodeDetail:
     """Back to ready after a passing full validation (waits for it); 409 names the failed checks.
     ``force`` skips the gate and records that it was forced (admins only)."""

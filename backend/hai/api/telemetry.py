@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 from functools import cache
-from datetime import datetime, timedelta
+from datetime import date, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import BeforeValidator
 from fastapi.exceptions import RequestValidationError
 from sqlalchemy import select
 
@@ -92,17 +93,32 @@ def job_metrics(
     return m.JobMetrics(job_id=job_id, series=_series(grain, points, window), **_kw(u))
 
 
+def _iso_only(value: object) -> object:
+    """Pydantic reads a bare number as Unix seconds; the schema promises an ISO date or time, so
+    `until=0.5` is a 422, not the start of 1970 (found by schemathesis, issue 13)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return value
+        raise ValueError("an ISO date or time is expected, e.g. 2026-12-01 or 2026-12-01T12:00:00Z")
+    return value
+
+
+IsoTime = Annotated[datetime | date, BeforeValidator(_iso_only)]
+
+
 @router.get("/usage", response_model=m.UsageReport, tags=["usage"])
 def get_usage(
     session: SessionDep,
     _user: CurrentUser,
     by: m.UsageBy = m.UsageBy.user,
-    since: Annotated[datetime | None, Query(description="start (ISO date or time; default 7 days ago)")] = None,
-    until: Annotated[datetime | None, Query(description="end (default now)")] = None,
+    since: Annotated[IsoTime | None, Query(description="start (ISO date or time; default 7 days ago)")] = None,
+    until: Annotated[IsoTime | None, Query(description="end (ISO date or time; default now)")] = None,
 ) -> m.UsageReport:
     """GPU-hours per user or group within [since, until), from what the jobs' allocations held."""
-    end = _aware(until) if until else utcnow()
-    start = _aware(since) if since else end - timedelta(days=7)
+    end = _aware(until) if until is not None else utcnow()
+    start = _aware(since) if since is not None else end - timedelta(days=7)
     if start >= end:
         raise RequestValidationError([{"loc": ("query", "since"), "msg": "must be before until", "type": "value_error"}])
     rows = usage.gpu_hours(session=session, by=by.value, since=start, until=end)
@@ -115,7 +131,9 @@ def get_quota_use(session: SessionDep, _user: CurrentUser) -> list[m.QuotaUseRea
     return [m.QuotaUseRead(**_kw(q)) for q in usage.quota_use(session=session)]
 
 
-def _aware(dt: datetime) -> datetime:
+def _aware(dt: datetime | date) -> datetime:
     from datetime import timezone
 
+    if not isinstance(dt, datetime):
+        dt = datetime(dt.year, dt.month, dt.day)
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)

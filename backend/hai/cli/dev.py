@@ -95,11 +95,12 @@ class DevStack:
 
             self.kubernetes = start_backend(self.platform)
             return
-        env = dict(os.environ)
+        # the node credential by environment, not argv (where `ps` would show it)
+        env = dict(os.environ, HAI_AGENT_TOKEN=self.agent_token)
         for node, zone, leaf in agent_layout(self.agents):
             cmd = [
                 sys.executable, "-m", "hai.cli.main", "agent",
-                "--server", self.url, "--token", self.agent_token, "--node", node,
+                "--server", self.url, "--node", node,
                 "--zone", zone, "--leaf", leaf, "--fake-gpus", str(self.gpus_per_agent),
                 "--state-dir", str((self.data_dir / "agents" / node).resolve()),
                 "--address", "127.0.0.1", "--stop-jobs-on-exit",
@@ -144,8 +145,8 @@ def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", 
         stack.start_agents()
         banner = (
             f"\nHAI platform (dev) at {stack.url}  —  dashboard {stack.url}/  API docs {stack.url}/docs\n"
-            f"admin token: {stack.admin_token}\n"
-            f"  (saved in {(data_dir / 'admin-token').resolve()})\n"
+            # the token itself is never printed (issue 13: no token in any log): it is in the file
+            f"admin token: in {(data_dir / 'admin-token').resolve()}\n"
             f"  export HAI_SERVER={stack.url} HAI_TOKEN=$(cat {(data_dir / 'admin-token').resolve()})\n"
             f"{agents} fake-GPU agent(s), {gpus_per_agent} GPUs each; Ctrl-C stops everything\n"
         )

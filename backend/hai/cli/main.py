@@ -125,6 +125,10 @@ def agent(
     state_dir: Annotated[Path, typer.Option()] = Path("/var/lib/hai-agent"),
     address: Annotated[str | None, typer.Option(help="address other nodes reach this one at")] = None,
     checkpoint_root: Annotated[str | None, typer.Option(help="where per-job checkpoint folders live")] = None,
+    user_map: Annotated[str | None, typer.Option(
+        envvar="HAI_AGENT_USER_MAP",
+        help="file mapping platform users to Unix accounts: ranks run as the submitter (production; "
+             "the agent runs as root). Without it ranks run as the agent's own user")] = None,
     kill_grace_s: Annotated[float, typer.Option(min=0, help="SIGTERM to SIGKILL")] = 10.0,
     stop_jobs_on_exit: Annotated[bool, typer.Option(help="stop running jobs when the agent exits")] = False,
     inject_faults: Annotated[list[str] | None, typer.Option(
@@ -152,6 +156,7 @@ def agent(
     run_agent(AgentOptions(
         server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
         state_dir=str(state_dir), address=address, gpu_indices=indices, checkpoint_root=checkpoint_root,
+        user_map=user_map,
         kill_grace_s=kill_grace_s, stop_jobs_on_exit=stop_jobs_on_exit,
         inject_faults=tuple(inject_faults) if inject_faults else None,
     ))

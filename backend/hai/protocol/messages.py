@@ -1,14 +1,19 @@
 from __future__ import annotations
 
-from typing import Literal
+import typing
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hai.protocol.vocab import DesiredAction, StopCause
 
 PROTOCOL_VERSION = 1
 # The server accepts agents speaking any of these versions.
 SUPPORTED_VERSIONS = frozenset({1})
+# any integer parses (so the server can answer an unknown version with a 426 that says which it
+# speaks); the schema lists the versions that are accepted
+_VERSION_FIELD = Field(default=PROTOCOL_VERSION, json_schema_extra={"enum": sorted(SUPPORTED_VERSIONS)})
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -33,8 +38,44 @@ __all__ = [
 ]
 
 
+def json_types_only(cls: type[BaseModel], data: object) -> object:
+    """A model-level before-validator: JSON true/false where the schema says number, and anything
+    but true/false where it says boolean, are refused — pydantic's lax mode would read them as
+    1/0 and 0/1/"yes" as booleans (found by schemathesis, issue 13)."""
+    if isinstance(data, dict):
+        for name, f in cls.model_fields.items():
+            key = f.alias or name
+            if key not in data or data[key] is None:
+                continue
+            value = data[key]
+            kinds = set(typing.get_args(f.annotation)) or {f.annotation}
+            if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"{key}: a number is expected, not {str(value).lower()}")
+            if not isinstance(value, bool) and bool in kinds and not kinds - {bool, type(None)}:
+                raise ValueError(f"{key}: true or false is expected, not {value!r}")
+            # the items of a list[int|float] / the values of a dict[str, int|float]
+            origin, args = typing.get_origin(f.annotation), typing.get_args(f.annotation)
+            items = (value.values() if origin is dict and isinstance(value, dict) and len(args) == 2 else
+                     value if origin is list and isinstance(value, list) and len(args) == 1 else ())
+            inner = (set(typing.get_args(args[-1])) or {args[-1]}) if args else set()
+            if bool not in inner and inner & {int, float} and any(isinstance(v, bool) for v in items):
+                raise ValueError(f"{key}: numbers are expected, not true/false")
+    return data
+
+
+_numbers_not_bools = json_types_only
+
+
+# ids and counters fit the database's columns (an out-of-range number is a 422, not a 500 from
+# the driver; found by schemathesis, issue 13)
+Id = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")  # newer peers may add fields
+
+    _no_bools = model_validator(mode="before")(classmethod(_numbers_not_bools))
 
 
 class GpuInfo(_Msg):
@@ -84,8 +125,8 @@ class ProgressInfo(_Msg):
 
 
 class AttemptStatus(_Msg):
-    job_id: int
-    attempt: int
+    job_id: Id
+    attempt: Count
     ranks: list[RankStatus] = Field(default_factory=list)
     launch_error: str | None = None  # the attempt could not be launched at all
     suspend_ready: bool = False  # the job said its checkpoint is safe
@@ -108,7 +149,7 @@ class AttemptStatus(_Msg):
 class AgentHello(_Msg):
     """Handshake: sent when the agent starts and whenever the server asks it to re-register."""
 
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     zone: str | None = None
     leaf: str | None = None
@@ -121,7 +162,7 @@ class AgentHello(_Msg):
 
 
 class Heartbeat(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     gpus: list[GpuMetrics] = Field(default_factory=list)
     attempts: list[AttemptStatus] = Field(default_factory=list)
@@ -167,7 +208,7 @@ class Assignment(_Msg):
 
 
 class ServerReply(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     assignments: list[Assignment] = Field(default_factory=list)
     assignments_digest: str
@@ -178,17 +219,17 @@ class ServerReply(_Msg):
 
 
 class LogLine(_Msg):
-    job_id: int
-    attempt: int
-    rank: int
-    seq: int  # per (job, attempt, rank), from 0, so a re-sent batch is not stored twice
+    job_id: Id
+    attempt: Count
+    rank: Count
+    seq: Count  # per (job, attempt, rank), from 0, so a re-sent batch is not stored twice
     ts: float
     stream: Literal["stdout", "stderr", "system"] = "stdout"
     line: str
 
 
 class LogBatch(_Msg):
-    protocol_version: int = PROTOCOL_VERSION
+    protocol_version: int = _VERSION_FIELD
     node: str
     # lines the agent dropped because its buffer overflowed arrive as a "system" line
     # ("[hai] N lines dropped ...") in the same sequence, so the gap is visible and counted

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hai.protocol.messages import GpuInfo
+from hai.protocol.messages import GpuInfo, _numbers_not_bools
 
 Level = Literal["quick", "full"]
 CheckStatus = Literal["passed", "failed", "skipped"]
@@ -19,6 +19,8 @@ CheckStatus = Literal["passed", "failed", "skipped"]
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    _no_bools = model_validator(mode="before")(classmethod(_numbers_not_bools))
 
 
 class ValidationRequest(_Msg):

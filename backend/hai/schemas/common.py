@@ -2,10 +2,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hai.domain.jobs import Priority
 from hai.domain.nodes import NodeState
+from hai.protocol.messages import json_types_only
 
 
 class UserRead(BaseModel):
@@ -16,6 +17,7 @@ class UserRead(BaseModel):
 
 class TokenCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     name: str = Field(min_length=1, max_length=128)
     expires_in_s: float | None = Field(
         default=None, gt=0, le=10 * 366 * 24 * 3600, description="the token is refused after this long (default: never)"
@@ -66,6 +68,7 @@ class NodeRead(BaseModel):
 
 class QuotaItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     group: str = Field(min_length=1, max_length=64)
     priority: Priority
     user: str | None = Field(default=None, max_length=64)
@@ -74,9 +77,35 @@ class QuotaItem(BaseModel):
 
 class QuotaList(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     items: list[QuotaItem]
 
 
 class Health(BaseModel):
     status: str
     database: str
+
+
+class ErrorRead(BaseModel):
+    """The body of every refusal other than a 422: what went wrong, in words."""
+
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for the refusals a route can answer (issue 13: every status the API
+    sends is declared, so clients and schemathesis can hold it to its schema)."""
+    words = {
+        400: "a credential in the query string (tokens go in the Authorization header only)",
+        401: "no token, or an invalid, revoked or expired one",
+        403: "the token is valid but may not do this",
+        404: "no such resource",
+        409: "the resource is not in a state that allows this",
+        413: "the request body is over HAI_LIMITS__MAX_BODY_BYTES",
+        426: "the agent's protocol version is not one the server speaks",
+        429: "too many queued jobs, or too many failed authentications (see Retry-After)",
+    }
+    # JSON even on routes whose own responses are text (the logs): the content is spelled out, as
+    # FastAPI would otherwise document the model under the route's media type
+    schema = {"$ref": "#/components/schemas/ErrorRead"}
+    return {code: {"description": words[code], "content": {"application/json": {"schema": schema}}} for code in codes}

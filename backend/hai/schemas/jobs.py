@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, field_validator
 
 from hai.domain.jobs import JobState, JobType, Priority
+from hai.protocol.messages import json_types_only
 
 
 # issue 13: the most a job's argv and environment may weigh (bytes of UTF-8, with one NUL per
@@ -15,15 +16,26 @@ MAX_ENV_BYTES = 64 * 1024
 
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
 
     name: str = Field(min_length=1, max_length=128)
-    command: list[str] = Field(min_length=1, description="argv; never run through a shell")
+    command: list[str] = Field(
+        min_length=1,
+        description="argv; never run through a shell",
+        # what the validator below checks, stated in the schema (issue 13): no NUL, a program
+        json_schema_extra={"items": {"type": "string", "pattern": "^[^\\x00]*$"},
+                           "prefixItems": [{"type": "string", "pattern": "\\S"}]},
+    )
     nodes: int = Field(default=1, ge=1, le=4096)
     gpus_per_node: int = Field(
         default=8, ge=1, le=8, description="a job of more than one node takes whole nodes of this many GPUs"
     )
     priority: Priority = Priority.NORMAL
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra={"propertyNames": {"pattern": "^[^=\\x00]+$"},
+                           "additionalProperties": {"type": "string", "pattern": "^[^\\x00]*$"}},
+    )
     job_type: JobType = JobType.COMMAND
     max_runtime_s: float | None = Field(default=None, gt=0)
     tags: list[str] = Field(default_factory=list, max_length=32)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hai.domain.nodes import NodeState
+from hai.protocol.messages import json_types_only
 from hai.schemas.common import NodeRead
 
 
@@ -59,6 +60,7 @@ class NodeDetail(NodeRead):
 
 class NodeDrain(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     reason: str = Field(min_length=1, max_length=400, description="why the node is taken out (required)")
 
     @field_validator("reason")
@@ -71,11 +73,13 @@ class NodeDrain(BaseModel):
 
 class NodeUndrain(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     force: bool = Field(default=False, description="skip the validation gate (recorded as forced)")
 
 
 class NodeValidate(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
     level: Literal["quick", "full"] = "full"
 
 

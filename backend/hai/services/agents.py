@@ -31,7 +31,7 @@ from hai.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def _check_version(version: int) -> None:
+def check_version(version: int) -> None:
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedProtocol(
             f"agent protocol version {version} is not supported; the server speaks {sorted(SUPPORTED_VERSIONS)}"
@@ -39,7 +39,7 @@ def _check_version(version: int) -> None:
 
 
 def register(*, session: Session, hello: AgentHello, settings: Settings) -> ServerReply:
-    _check_version(hello.protocol_version)
+    check_version(hello.protocol_version)
     now = utcnow()
     node = session.scalar(select(Node).where(Node.name == hello.node).with_for_update())
     if node is None:  # issue 10: the node's first state goes through node_state
@@ -72,7 +72,7 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
 
 
 def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerReply:
-    _check_version(hb.protocol_version)
+    check_version(hb.protocol_version)
     now = utcnow()
     node = session.scalar(select(Node).where(Node.name == hb.node))
     if node is None:

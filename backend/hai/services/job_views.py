@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from hai.db.models import Job, Node
 from hai.schemas.jobs import JobList, JobRead, PlacementRead
+from hai.services.auth import Principal
 from hai.services.jobs import placement_of
 
 Labels = dict[str, tuple[str, str]]
@@ -52,6 +53,17 @@ def job_read(*, session: Session, job: Job) -> JobRead:
     return _read(job, _labels_for(session, [job]))
 
 
-def job_list(*, session: Session, jobs: Sequence[Job], total: int) -> JobList:
+HIDDEN = "***"
+
+
+def job_list(*, session: Session, jobs: Sequence[Job], total: int, viewer: Principal | None = None) -> JobList:
+    """Everyone sees the queue (as `squeue` does), but the environment of another user's job —
+    where tokens and passwords live — only its owner and admins see; others get its keys with
+    the values masked (GET /jobs/{id} of another's job is a 403 altogether)."""
     labels = _labels_for(session, jobs)
-    return JobList(items=[_read(j, labels) for j in jobs], total=total)
+    items = [_read(j, labels) for j in jobs]
+    if viewer is not None and not viewer.is_admin:
+        for item, job in zip(items, jobs):
+            if job.user_id != viewer.user_id:
+                item.env = dict.fromkeys(item.env, HIDDEN)
+    return JobList(items=items, total=total)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+import time
 from datetime import datetime, timezone
 
 import anyio.to_thread
@@ -23,7 +24,18 @@ from hai.services.jobs import get_job, publish_after_commit
 FOLLOW_WAIT_S = 15.0  # a followed log re-reads at least this often without a notification
 
 
-def append_batch(*, session: Session, batch: LogBatch) -> int:
+TRUNCATED = "[hai: line truncated, {n} more characters]"
+
+
+def clip(line: str, max_chars: int) -> str:
+    """A line over ``max_chars`` keeps its first ``max_chars`` characters and says how much was
+    cut (HAI_LIMITS__MAX_LOG_LINE_CHARS), so a reader sees that the line goes on."""
+    if len(line) <= max_chars:
+        return line
+    return line[:max_chars] + " " + TRUNCATED.format(n=len(line) - max_chars)
+
+
+def append_batch(*, session: Session, batch: LogBatch, max_line_chars: int = 16 * 1024) -> int:
     if not batch.lines:
         return 0
     job_ids = sorted({line.job_id for line in batch.lines})
@@ -36,7 +48,7 @@ def append_batch(*, session: Session, batch: LogBatch) -> int:
             "seq": line.seq,
             "ts": line.ts,
             "stream": line.stream,
-            "line": line.line[:16384],
+            "line": clip(line.line, max_line_chars),
         }
         for line in batch.lines
         if line.job_id in known
@@ -133,12 +145,14 @@ async def follow(
     query: LogQuery,
     is_disconnected: Callable[[], Awaitable[bool]],
     wait_s: float = FOLLOW_WAIT_S,
+    max_s: float = 0.0,
 ) -> AsyncIterator[dict[str, str]]:
     """Server-sent events for a followed log: ``log`` per line, then ``end`` with the final state
     once the job is terminal (after draining what arrived after it ended). Reads the first page
     before returning, so a missing job or a forbidden one raises before the stream starts. Each
     page is read in a worker thread with its own session; between pages the stream waits for
-    the job's log topic (or ``wait_s``)."""
+    the job's log topic (or ``wait_s``). ``max_s`` > 0 (HAI_LIMITS__MAX_FOLLOW_S): a stream
+    still open after that long ends with a ``limit`` event (the client follows again)."""
     topic = notify.job_topic(query.job_id)
 
     def page(after_id: int) -> LogPage:
@@ -146,6 +160,8 @@ async def follow(
             return read_page(session=session, user=user, query=query, after_id=after_id)
 
     first = await anyio.to_thread.run_sync(page, 0)
+
+    deadline = time.monotonic() + max_s if max_s > 0 else None
 
     async def stream() -> AsyncIterator[dict[str, str]]:
         p = first
@@ -167,6 +183,10 @@ async def follow(
             p = await anyio.to_thread.run_sync(page, p.cursor)
             if not p.more and not p.state.terminal:
                 # without Redis the lines may arrive through another replica: re-read soon
-                await platform.notifier.wait_async(topic, since, platform.notifier.bounded(wait_s))
+                left = wait_s if deadline is None else min(wait_s, deadline - time.monotonic())
+                if left <= 0:
+                    yield {"event": "limit", "data": f"followed for {max_s:g} s (HAI_LIMITS__MAX_FOLLOW_S); follow again"}
+                    return
+                await platform.notifier.wait_async(topic, since, platform.notifier.bounded(left))
 
     return stream()

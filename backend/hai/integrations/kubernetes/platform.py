@@ -40,7 +40,9 @@ def digest(reply: ServerReply) -> str:
 
 def append_logs(platform: Platform, batch: LogBatch) -> int:
     with platform.sessions() as session:
-        return log_service.append_batch(session=session, batch=batch)
+        return log_service.append_batch(
+            session=session, batch=batch, max_line_chars=platform.settings.limits.max_log_line_chars
+        )
 
 
 def _action(alloc_attempt: int, job_attempt: int, state: str, desired: str) -> str:
