@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Annotated
@@ -54,6 +55,8 @@ def server(
     port: Annotated[int, typer.Option()] = 8080,
     data_dir: Annotated[Path | None, typer.Option(help="embedded mode: where SQLite lives")] = None,
     topology: Annotated[Path | None, typer.Option(help="CSV node,gpus,leaf,zone")] = None,
+    workers: Annotated[int, typer.Option(min=1, max=256, help="worker processes (production: as many as cores; "
+                                         "needs PostgreSQL and Redis so that they share state)")] = 1,
 ) -> None:
     """Run the API server (production: HAI_DB__URL, HAI_REDIS__URL)."""
     import uvicorn
@@ -62,10 +65,23 @@ def server(
     from hai.services.context import Platform
 
     _logging()
-    platform = Platform.from_settings(_settings(data_dir))
+    settings = _settings(data_dir)
+    platform = Platform.from_settings(settings)
     _bootstrap(platform, topology)
-    uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
+    if workers == 1:
+        uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
+        platform.close()
+        return
+    if settings.database_url.startswith("sqlite") or not settings.redis.url:
+        typer.echo("--workers above 1 needs HAI_DB__URL (PostgreSQL) and HAI_REDIS__URL: the worker processes "
+                   "share the database and wake each other through Redis", err=True)
+        platform.close()
+        raise typer.Exit(2)
     platform.close()
+    if data_dir is not None:
+        os.environ["HAI_DATA_DIR"] = str(data_dir)
+    # each worker process builds its own app and platform from the environment
+    uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info")
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001

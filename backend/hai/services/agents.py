@@ -81,9 +81,6 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
         # the server gave this node's work away; the agent must hand in its inventory again
         session.commit()
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
-    node.last_heartbeat_at = now
-    if hb.gpus:
-        node.gpu_metrics = [g.model_dump() for g in hb.gpus]
     metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     allocs = active_allocations(session, node.name)
     reported = reports.apply_reports(session, allocs, hb.attempts, now=now)
@@ -93,9 +90,14 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
         if changed:  # rare: a job moved on; its other allocations' actions may read differently
             held = assigned(allocs, settings)
     # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
-    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now):
+    pending: list = []
+    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending):
         held = assigned(allocs, settings)
-    reply = _reply(session, node, [a for _, a in held], settings)
+    # liveness and the latest GPU figures last: one UPDATE of the node row with the quick-round count
+    node.last_heartbeat_at = now
+    if hb.gpus:
+        node.gpu_metrics = [g.model_dump() for g in hb.gpus]
+    reply = _reply(session, node, [a for _, a in held], settings, pending=pending)
     session.commit()
     return reply
 
@@ -109,13 +111,14 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
     return reply
 
 
-def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings) -> ServerReply:
+def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings,
+           pending: list | None = None) -> ServerReply:
     return ServerReply(
         node=node.name,
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
-        validations=node_health.pending_requests(session, node),  # issue 10
+        validations=node_health.pending_requests(session, node, runs=pending),  # issue 10
     )
 
 

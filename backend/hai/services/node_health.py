@@ -120,13 +120,22 @@ def validate_node(*, session: Session, name: str, user: Principal, level: str = 
     return run
 
 
-def pending_requests(session: Session, node: Node, *, now: datetime | None = None) -> list[ValidationRequest]:
-    """The runs the node's agent should run (every reply lists them until they are answered)."""
-    now = now or utcnow()
-    runs = list(session.scalars(
+def pending_runs(session: Session, node: Node) -> list[ValidationRun]:
+    return list(session.scalars(
         select(ValidationRun).where(ValidationRun.node_name == node.name, ValidationRun.status == PENDING)
         .order_by(ValidationRun.id)
     ))
+
+
+def pending_requests(session: Session, node: Node, *, now: datetime | None = None,
+                     runs: list[ValidationRun] | None = None) -> list[ValidationRequest]:
+    """The runs the node's agent should run (every reply lists them until they are answered);
+    ``runs``: the node's pending runs, when the caller has just read them."""
+    now = now or utcnow()
+    if runs is None:
+        runs = pending_runs(session, node)
+    if not runs:
+        return []
     inventory = [GpuInfo.model_validate(g) for g in (node.gpu_inventory or [])]
     for run in runs:
         if run.delivered_at is None:
@@ -258,28 +267,33 @@ def on_register(session: Session, node: Node, *, settings: Settings, now: dateti
 
 
 def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
-                 now: datetime) -> bool:
+                 now: datetime, pending: list[ValidationRun] | None = None) -> bool:
     """After the agent's report is reconciled: absorb validator results, start the periodic
     quick round, keep moving jobs off a node out of service, settle draining -> drained.
-    True when a job on the node may have changed (the node's assignments must be rebuilt)."""
+    True when a job on the node may have changed (the node's assignments must be rebuilt).
+    ``pending``: a list this fills with the node's pending runs afterwards (one query for the
+    round and the reply)."""
     moved: list[int] = []
     if reports:
         absorb_reports(session, node, reports, settings=settings, now=now)
+    runs = pending_runs(session, node)
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
     if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED):
-        if _pending_run(session, node) is None:  # count only while no run is waiting
+        if not runs:  # count only while no run is waiting
             node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
         if node.heartbeats_since_quick >= every:
             node.heartbeats_since_quick = 0
-            request_validation(session, node, level="quick", trigger="periodic", requested_by="validator", now=now,
-                               wake=False)
+            runs.append(request_validation(session, node, level="quick", trigger="periodic",
+                                           requested_by="validator", now=now, wake=False))
     if state in (NodeState.DRAINING, NodeState.UNHEALTHY):
         # a job placed from a snapshot older than the drain: move it too
         moved = move_jobs_off(session, node, cause=MOVE_DRAIN if state == NodeState.DRAINING else MOVE_UNHEALTHY,
                               reason=node.state_reason, now=now)
     settle(session, node, now=now)
+    if pending is not None:
+        pending[:] = runs
     return bool(reports) or bool(moved)
 
 
