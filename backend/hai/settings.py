@@ -106,6 +106,8 @@ class AuthSettings(BaseModel):
     # outside development
     bootstrap_admin_token: str = ""
     bootstrap_agent_token: str = ""
+    agent_token_cache_s: float = Field(default=10.0, ge=0, description=(
+        "each API process re-checks a node credential at most this often (0: on every request)"))
 
 
 class MetricsSettings(BaseModel):

@@ -35,15 +35,28 @@ def _principal(
 ) -> auth.Principal:
     if creds is None:
         raise Unauthorized("missing bearer token")
+    cache = _agent_cache(request, platform)
+    known = cache.get(creds.credentials)
+    if known is not None:
+        return known
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
     with platform.sessions() as session:
         try:
-            return auth.authenticate(session=session, secret=creds.credentials)
+            principal = auth.authenticate(session=session, secret=creds.credentials)
         except Unauthorized:
             failures.failed(client)
             raise
+        cache.put(session, creds.credentials, principal)
+        return principal
+
+
+def _agent_cache(request: Request, platform: Platform) -> auth.AgentTokenCache:
+    cache = getattr(request.app.state, "agent_tokens", None)
+    if cache is None:
+        cache = request.app.state.agent_tokens = auth.AgentTokenCache(platform.settings.auth.agent_token_cache_s)
+    return cache
 
 
 def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:

@@ -74,9 +74,10 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
 def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerReply:
     _check_version(hb.protocol_version)
     now = utcnow()
-    node = session.scalar(select(Node).where(Node.name == hb.node))
-    if node is None:
+    row = session.execute(select(Node, node_health.has_pending_run()).where(Node.name == hb.node)).first()
+    if row is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
+    node, maybe_pending = row
     if node_health.must_reregister(node):  # issue 10
         # the server gave this node's work away; the agent must hand in its inventory again
         session.commit()
@@ -91,7 +92,8 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
             held = assigned(allocs, settings)
     # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
     pending: list = []
-    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending):
+    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending,
+                                 maybe_pending=bool(maybe_pending)):
         held = assigned(allocs, settings)
     # liveness and the latest GPU figures last: one UPDATE of the node row with the quick-round count
     node.last_heartbeat_at = now

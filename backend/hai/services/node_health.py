@@ -44,6 +44,16 @@ PENDING = "pending"
 FINISHED = ("passed", "failed", "expired")
 
 
+_NEW_RUNS = "hai.validation_runs_requested"  # session.info: nodes given a run in this transaction
+
+
+def has_pending_run():  # noqa: ANN201
+    """A column expression for ``select(Node, has_pending_run())``: whether the node has a run
+    waiting for its agent (the heartbeat reads it with the node and skips the runs' query)."""
+    return (select(ValidationRun.id).where(ValidationRun.node_name == Node.name, ValidationRun.status == PENDING)
+            .exists().label("has_pending_run"))
+
+
 def validation_topic(run_id: int) -> str:
     return f"validation:{run_id}"
 
@@ -108,6 +118,7 @@ def request_validation(session: Session, node: Node, *, level: str, trigger: str
                         requested_by=requested_by, requested_at=now or utcnow(), summary="", checks=[])
     session.add(run)
     session.flush()
+    session.info.setdefault(_NEW_RUNS, set()).add(node.name)
     if wake:
         publish_after_commit(session, notify.node_topic(node.name))
     return run
@@ -267,16 +278,20 @@ def on_register(session: Session, node: Node, *, settings: Settings, now: dateti
 
 
 def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
-                 now: datetime, pending: list[ValidationRun] | None = None) -> bool:
+                 now: datetime, pending: list[ValidationRun] | None = None, maybe_pending: bool = True) -> bool:
     """After the agent's report is reconciled: absorb validator results, start the periodic
     quick round, keep moving jobs off a node out of service, settle draining -> drained.
     True when a job on the node may have changed (the node's assignments must be rebuilt).
     ``pending``: a list this fills with the node's pending runs afterwards (one query for the
-    round and the reply)."""
+    round and the reply); ``maybe_pending`` False: the node had none when the heartbeat read it
+    (``has_pending_run``), so without reports or a run requested since, there is none to read."""
     moved: list[int] = []
     if reports:
         absorb_reports(session, node, reports, settings=settings, now=now)
-    runs = pending_runs(session, node)
+    if maybe_pending or reports or node.name in session.info.get(_NEW_RUNS, ()):
+        runs = pending_runs(session, node)
+    else:
+        runs = []
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
