@@ -57,6 +57,10 @@ class AgentSettings(BaseModel):
     master_port_base: int = 29500
     default_suspend_grace_s: float = 60.0
     stop_grace_s: float = 10.0
+    reply_cache_s: float = Field(default=10.0, ge=0, description=(
+        "with Redis: a steady heartbeat (the report and the held assignments unchanged, all of them "
+        "running) is answered from the API process's cache, with one UPDATE for liveness, for at most "
+        "this long; any change to the node's assignments invalidates it at once (0: never)"))
 
 
 class ValidationSettings(BaseModel):
