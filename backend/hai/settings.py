@@ -90,6 +90,9 @@ class KubernetesSettings(BaseModel):
     zone_label: str = "topology.kubernetes.io/zone"
     leaf_label: str = "hai.io/leaf"
     gpu_resource: str = "nvidia.com/gpu"
+    # hfreduce pods: each rank's container also asks for one of this RDMA device plugin resource
+    # (e.g. rdma/hca_shared_devices_a), so that the node's HCAs are mounted in it; "": none
+    rdma_resource: str = ""
     image: str = "hai-platform:latest"  # job image: has python and the hai package (the SDK)
     image_pull_policy: str = "IfNotPresent"
     python: str = "python"  # the interpreter in the image that runs the pod wrapper

@@ -629,6 +629,7 @@ class KubernetesBackend:
             service_account=self.cfg.service_account, checkpoint_claim=self.cfg.checkpoint_claim,
             checkpoint_host_path=self.cfg.checkpoint_host_path, checkpoint_mount=self.cfg.checkpoint_mount,
             stop_grace_s=a.spec.stop_grace_s if a.spec.stop_grace_s is not None else 10.0,
+            rdma_resource=self.cfg.rdma_resource,
         )
         if a.action == "suspend":
             pod["metadata"]["annotations"][ob.SUSPEND_ANNOTATION] = ob.suspend_value(self.clock(), a.spec.suspend_grace_s)
