@@ -9,6 +9,8 @@ and moving jobs off a node at their checkpoint.
   in a later heartbeat. A failed critical check makes the node ``unhealthy`` at once and moves
   its jobs; jobs that failed there within ``validation.fault_window_s`` are requeued as restarts.
 - Undrain runs the full suite first and refuses (409, the failed checks named) unless ``force``.
+  In Kubernetes mode (virtual agents run no validators) it checks the Kubernetes Node instead:
+  Ready -> the node is back and uncordoned; NotReady or missing -> 409.
 - A lost node whose agent comes back takes work again only after a passing validation.
 
 Every node state change goes through services.node_state.set_node_state.
@@ -42,6 +44,17 @@ MOVE_DRAIN = "drain"
 MOVE_UNHEALTHY = "unhealthy"
 PENDING = "pending"
 FINISHED = ("passed", "failed", "expired")
+
+
+# The Kubernetes backend's virtual agents (AgentHello.agent_version) run no validators: on those
+# nodes the kubelet and the device plugin watch the hardware (a Node NotReady becomes unhealthy),
+# so no rounds are requested there, a lost node returns without a validation run, and an undrain
+# without force checks that the Kubernetes Node is Ready instead of waiting for a run.
+VIRTUAL_AGENT_VERSION = "kubernetes"
+
+
+def runs_validators(node: Node) -> bool:
+    return node.agent_version != VIRTUAL_AGENT_VERSION
 
 
 _NEW_RUNS = "hai.validation_runs_requested"  # session.info: nodes given a run in this transaction
@@ -207,12 +220,14 @@ def absorb_reports(session: Session, node: Node, reports: list[ValidationReport]
             request_validation(session, node, level="full", trigger="xid", requested_by="validator", now=now)
 
 
-def _return(session: Session, node: Node, run: ValidationRun, now: datetime) -> None:
-    """A lost node passed its return validation: back to ready, or to the drain or fault it was
-    in when it went silent (only an undrain brings those back)."""
+def _return(session: Session, node: Node, run: ValidationRun | None, now: datetime) -> None:
+    """A lost node passed its return validation (``run`` None: a virtual agent, which runs none):
+    back to ready, or to the drain or fault it was in when it went silent (only an undrain brings
+    those back)."""
     before = node.state_detail or {}
     was = before.get("was")
-    passed = f"the agent is back and validation run {run.id} passed"
+    passed = (f"the agent is back and validation run {run.id} passed" if run is not None else
+              "the Kubernetes backend reports the node again (Kubernetes watches its health: no validation run)")
     if was == NodeState.UNHEALTHY.value:
         set_node_state(session, node, NodeState.UNHEALTHY, actor="validator", now=now,
                        reason=f"{passed}; still unhealthy: {before.get('was_reason', '')}", detail=before)
@@ -249,7 +264,8 @@ def schedule_full_round(*, session: Session, settings: Settings, now: datetime |
     now = now or utcnow()
     ids = []
     for node in session.scalars(select(Node).order_by(Node.name)):
-        if NodeState(node.state) in (NodeState.LOST, NodeState.UNHEALTHY) or not _connected(node, settings, now):
+        if NodeState(node.state) in (NodeState.LOST, NodeState.UNHEALTHY) or not _connected(node, settings, now) \
+                or not runs_validators(node):
             continue
         if _pending_run(session, node) is None:
             ids.append(request_validation(session, node, level="full", trigger="schedule",
@@ -270,6 +286,9 @@ def on_register(session: Session, node: Node, *, settings: Settings, now: dateti
         return
     if not (node.state_detail or {}).get("silent_since"):  # listed by a topology file, first agent
         set_node_state(session, node, NodeState.READY, actor="agent", reason="agent registered", now=now)
+        return
+    if not runs_validators(node):
+        _return(session, node, None, now)
         return
     run = request_validation(session, node, level=settings.validation.return_level, trigger="return",
                              requested_by="agent", now=now)
@@ -295,7 +314,8 @@ def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], 
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
-    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED):
+    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED) \
+            and runs_validators(node):
         if not runs:  # count only while no run is waiting
             node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
         if node.heartbeats_since_quick >= every:
@@ -387,7 +407,7 @@ def on_job_failing(session: Session, job: Job, *, reason: str, settings: Setting
                    and any(r.get("state") == "exited" and r.get("exit_code") not in (0, None)
                            for r in a.status.get("ranks", []))})
     for n in session.scalars(select(Node).where(Node.name.in_(died)).order_by(Node.name)):
-        if n.state != NodeState.LOST.value and _pending_run(session, n) is None:
+        if n.state != NodeState.LOST.value and runs_validators(n) and _pending_run(session, n) is None:
             request_validation(session, n, level="quick", trigger="rank_died", requested_by="validator", now=now)
     return False
 
@@ -452,6 +472,12 @@ def _mirror_cordon(name: str, reason: str | None, settings: Settings | None = No
         k8s.cordon(name, reason)
 
 
+def _kubernetes_node_health(name: str) -> tuple[bool, str]:
+    from hai.integrations.kubernetes import backend as k8s  # the only place that talks to Kubernetes
+
+    return k8s.node_health(name)
+
+
 def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal) -> str:
     """Bring a drained, draining or unhealthy node back. Without ``force`` the full suite runs on
     the node first (this call waits for it, up to validation.undrain_timeout_s) and a critical
@@ -466,6 +492,16 @@ def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal)
         if force:
             set_node_state(session, node, NodeState.READY, actor=actor,
                            reason=f"undrained by {user.name} (forced: validation skipped)", detail={"forced": True})
+            session.commit()
+            _mirror_cordon(name, None, settings)
+            return name
+        if not runs_validators(node) and settings.executor == "kubernetes":
+            # Kubernetes mode: no validators run there; the Node's own health decides
+            healthy, why = _kubernetes_node_health(name)
+            if not healthy:
+                raise Conflict(f"node {name} stays out of service: {why}; use force to undrain anyway")
+            set_node_state(session, node, NodeState.READY, actor=actor, detail={"kubernetes": why},
+                           reason=f"undrained by {user.name}: Kubernetes mode, no validation run ({why})")
             session.commit()
             _mirror_cordon(name, None, settings)
             return name
