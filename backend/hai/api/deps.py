@@ -7,6 +7,7 @@ from typing import Annotated, Iterator
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from hai.services import auth
 from hai.services.context import Platform
@@ -30,7 +31,7 @@ def get_session(platform: PlatformDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def _principal(
+async def _principal(
     request: Request, platform: PlatformDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> auth.Principal:
     if creds is None:
@@ -38,7 +39,12 @@ def _principal(
     cache = _agent_cache(request, platform)
     known = cache.get(creds.credentials)
     if known is not None:
-        return known
+        return known  # a cached node credential: no database, no worker thread
+    return await run_in_threadpool(_lookup, request, platform, creds, cache)
+
+
+def _lookup(request: Request, platform: Platform, creds: HTTPAuthorizationCredentials,
+            cache: auth.AgentTokenCache) -> auth.Principal:
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
