@@ -262,9 +262,16 @@ async def run(args) -> dict:  # noqa: ANN001, C901
 
             async def register(a: SimAgent) -> None:
                 async with sem:
-                    r = await client.post("/api/v1/agent/register", json=a.hello())
-                    r.raise_for_status()
-                    a.apply(r.json())
+                    for attempt in range(5):  # as an agent does: retry with backoff
+                        try:
+                            r = await client.post("/api/v1/agent/register", json=a.hello())
+                            r.raise_for_status()
+                            a.apply(r.json())
+                            return
+                        except httpx.HTTPError:
+                            if attempt == 4:
+                                raise
+                            await asyncio.sleep(0.5 * 2 ** attempt)
 
             t_reg = time.perf_counter()
             await asyncio.gather(*(register(a) for a in agents))
@@ -281,9 +288,17 @@ async def run(args) -> dict:  # noqa: ANN001, C901
 
             async def submit(i: int) -> None:
                 async with jsem:
-                    r = await user.post("/api/v1/jobs", json={"name": f"load-{i}", "command": ["sleep", "infinity"],
-                                                              "gpus_per_node": 4})
-                    r.raise_for_status()
+                    for attempt in range(5):
+                        try:
+                            r = await user.post("/api/v1/jobs", headers={"Idempotency-Key": f"load-{i}"},
+                                                json={"name": f"load-{i}", "command": ["sleep", "infinity"],
+                                                      "gpus_per_node": 4})
+                            r.raise_for_status()
+                            return
+                        except httpx.HTTPError:
+                            if attempt == 4:
+                                raise
+                            await asyncio.sleep(0.5 * 2 ** attempt)
 
             await asyncio.gather(*(submit(i) for i in range(njobs)))
             result["jobs_submitted"] = njobs

@@ -81,9 +81,10 @@ def server(
     if data_dir is not None:
         os.environ["HAI_DATA_DIR"] = str(data_dir)
     # each worker process builds its own app and platform from the environment
-    # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5
+    # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5;
+    # keep-alive 75 s: agents reuse their connection every heartbeat (uvicorn closes idle ones after 5 s)
     uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
-                timeout_worker_healthcheck=60)
+                timeout_worker_healthcheck=60, timeout_keep_alive=75)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
