@@ -109,7 +109,7 @@ class Bridge:
 def numa_binding(environ: dict[str, str], *, sysfs: str = "/sys", procfs: str = "/proc",
                  ) -> tuple[dict[str, str], list[int] | None]:
     """(environment to add, CPUs to bind to) for an hfreduce rank whose container holds one GPU."""
-    from hai.agent import topology  # stdlib only, like this module
+    import hai.agent.topology as topology  # stdlib only, like this module
 
     visible = environ.get("NVIDIA_VISIBLE_DEVICES") or environ.get("CUDA_VISIBLE_DEVICES") or ""
     wanted = [v.strip() for v in visible.split(",") if v.strip() and v.strip() not in ("all", "none", "void")]
