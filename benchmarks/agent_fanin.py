@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -49,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backend"))
 
 GPUS = 8
+AGENTS_PER_CLIENT = 25
 
 
 def free_port() -> int:
@@ -77,6 +79,7 @@ class SimAgent:
         self.started: dict[tuple[int, int], float] = {}
         self.validations: dict[int, dict] = {}  # run id -> finished report (repeated until unlisted)
         self.reregisters = 0
+        self.client: httpx.AsyncClient | None = None
 
     def hello(self) -> dict:
         return {
@@ -251,20 +254,30 @@ async def run(args) -> dict:  # noqa: ANN001, C901
                 raise SystemExit("the server did not start:\n" + (tmp / "server.log").read_text()[-3000:])
             time.sleep(0.5)
 
-        limits = httpx.Limits(max_connections=args.connections, max_keepalive_connections=args.connections)
         agents = [SimAgent(i) for i in range(args.agents)]
         stats = Stats()
-        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30,
-                                     headers={"Authorization": f"Bearer {agent_token}"}) as client, \
+        # httpcore's pool matches every queued request against every connection: one pool of
+        # 1,250 agents spends the generator's CPU there. Agents are independent anyway: one
+        # client (keep-alive pool) per AGENTS_PER_CLIENT agents.
+        shards = max(1, -(-args.agents // AGENTS_PER_CLIENT))
+        per = max(2, args.connections // shards)
+        limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
+        clients = [httpx.AsyncClient(base_url=base, limits=limits, timeout=30,
+                                     headers={"Authorization": f"Bearer {agent_token}"}) for _ in range(shards)]
+        for i, a in enumerate(agents):
+            a.client = clients[i % shards]
+        async with contextlib.AsyncExitStack() as stack, \
                 httpx.AsyncClient(base_url=base, timeout=30,
                                   headers={"Authorization": f"Bearer {admin_token}"}) as user:
+            for c in clients:
+                await stack.enter_async_context(c)
             sem = asyncio.Semaphore(32)
 
             async def register(a: SimAgent) -> None:
                 async with sem:
                     for attempt in range(5):  # as an agent does: retry with backoff
                         try:
-                            r = await client.post("/api/v1/agent/register", json=a.hello())
+                            r = await a.client.post("/api/v1/agent/register", json=a.hello())
                             r.raise_for_status()
                             a.apply(r.json())
                             return
@@ -279,7 +292,7 @@ async def run(args) -> dict:  # noqa: ANN001, C901
 
             stop = asyncio.Event()
             t0 = time.perf_counter()
-            loops = [asyncio.create_task(agent_loop(a, client, stats, args.interval_s, t0, stop)) for a in agents]
+            loops = [asyncio.create_task(agent_loop(a, a.client, stats, args.interval_s, t0, stop)) for a in agents]
 
             # half the GPUs busy: 4-GPU jobs, 2 per node
             njobs = args.agents * GPUS // 2 // 4 if args.jobs is None else args.jobs
