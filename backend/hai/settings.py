@@ -70,6 +70,10 @@ class AgentSettings(BaseModel):
     master_port_base: int = 29500
     default_suspend_grace_s: float = 60.0
     stop_grace_s: float = 10.0
+    reply_cache_s: float = Field(default=10.0, ge=0, description=(
+        "with Redis: a steady heartbeat (the report and the held assignments unchanged, all of them "
+        "running) is answered from the API process's cache, with one UPDATE for liveness, for at most "
+        "this long; any change to the node's assignments invalidates it at once (0: never)"))
 
 
 class ValidationSettings(BaseModel):
@@ -99,6 +103,9 @@ class KubernetesSettings(BaseModel):
     zone_label: str = "topology.kubernetes.io/zone"
     leaf_label: str = "hai.io/leaf"
     gpu_resource: str = "nvidia.com/gpu"
+    # hfreduce pods: each rank's container also asks for one of this RDMA device plugin resource
+    # (e.g. rdma/hca_shared_devices_a), so that the node's HCAs are mounted in it; "": none
+    rdma_resource: str = ""
     image: str = "hai-platform:latest"  # job image: has python and the hai package (the SDK)
     image_pull_policy: str = "IfNotPresent"
     python: str = "python"  # the interpreter in the image that runs the pod wrapper
@@ -119,6 +126,8 @@ class AuthSettings(BaseModel):
     # outside development
     bootstrap_admin_token: str = ""
     bootstrap_agent_token: str = ""
+    agent_token_cache_s: float = Field(default=10.0, ge=0, description=(
+        "each API process re-checks a node credential at most this often (0: on every request)"))
 
 
 class MetricsSettings(BaseModel):

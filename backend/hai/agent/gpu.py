@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+from hai.agent.topology import numa_cpus, parse_cpulist, pci_numa_node  # noqa: F401  (re-exported)
+from hai.agent.topology import ib_devices, read as _read  # noqa: F401
 from hai.protocol import GpuInfo, GpuMetrics, NicInfo
 
 log = logging.getLogger("hai.agent.gpu")
@@ -34,78 +36,9 @@ class GpuBackend(Protocol):
 # ---------------------------------------------------------------- topology (sysfs)
 
 
-def parse_cpulist(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
-    cpus: list[int] = []
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.extend(range(int(lo), int(hi) + 1))
-        else:
-            cpus.append(int(part))
-    return sorted(set(cpus))
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def pci_numa_node(bus_id: str, sysfs: str = "/sys") -> int | None:
-    """NUMA node of a PCI device ('00000000:3B:00.0' as NVML writes it, or '0000:3b:00.0')."""
-    bus = bus_id.strip().lower()
-    domain, _, rest = bus.partition(":")
-    if len(domain) > 4:
-        domain = domain[-4:]
-    text = _read(os.path.join(sysfs, "bus", "pci", "devices", f"{domain}:{rest}", "numa_node"))
-    if text is None:
-        return None
-    try:
-        node = int(text)
-    except ValueError:
-        return None
-    return node if node >= 0 else None  # -1: the platform does not say
-
-
-def numa_cpus(node: int, sysfs: str = "/sys") -> list[int] | None:
-    """CPUs of NUMA node ``node`` that this process may use; None when unknown or empty."""
-    text = _read(os.path.join(sysfs, "devices", "system", "node", f"node{node}", "cpulist"))
-    if not text:
-        return None
-    cpus = parse_cpulist(text)
-    try:
-        allowed = os.sched_getaffinity(0)
-        cpus = [c for c in cpus if c in allowed]
-    except (AttributeError, OSError):
-        pass
-    return cpus or None
-
-
 def discover_nics(sysfs: str = "/sys") -> list[NicInfo]:
     """InfiniBand HCAs (/sys/class/infiniband/*) with their NUMA node; [] without InfiniBand."""
-    root = os.path.join(sysfs, "class", "infiniband")
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    nics = []
-    for name in names:
-        text = _read(os.path.join(root, name, "device", "numa_node"))
-        numa: int | None
-        try:
-            numa = int(text) if text is not None else None
-        except ValueError:
-            numa = None
-        if numa is not None and numa < 0:
-            numa = None
-        nics.append(NicInfo(name=name, numa_node=numa))
-    return nics
+    return [NicInfo(name=name, numa_node=numa) for name, numa in ib_devices(sysfs)]
 
 
 # ---------------------------------------------------------------- fake GPUs

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hai.agent import gpu as gpu_topology
+from hai.agent import topology as gpu_topology
 from hai.agent.procs import signal_group, start_ticks
 from hai.agent.users import Account
 from hai.protocol import GpuInfo, LaunchSpec, NicInfo
@@ -70,13 +70,7 @@ def base_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def _nic_for(numa: int | None, nics: list[NicInfo]) -> str | None:
-    if not nics:
-        return None
-    same = [n.name for n in nics if numa is not None and n.numa_node == numa]
-    if same:
-        return same[0]
-    # no NIC on that NUMA node (or unknown): let NCCL use all of them
-    return ",".join(n.name for n in nics)
+    return gpu_topology.nic_for(numa, [(n.name, n.numa_node) for n in nics])
 
 
 def plan_ranks(

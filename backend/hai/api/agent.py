@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import AgentPrincipal, PlatformDep
@@ -22,16 +22,40 @@ def register(hello: AgentHello, platform: PlatformDep, _agent: AgentPrincipal) -
         return agent_service.register(session=session, hello=hello, settings=platform.settings)
 
 
+def _reply_cache(request: Request, platform) -> agent_service.ReplyCache | None:  # noqa: ANN001
+    """The process's cache of steady replies; only with Redis, whose notifications reach every API
+    process (without it another process's change would not invalidate this one's cache)."""
+    settings = platform.settings
+    if not settings.redis.url or settings.agent.reply_cache_s <= 0:
+        return None
+    cache = getattr(request.app.state, "reply_cache", None)
+    if cache is None:
+        cache = request.app.state.reply_cache = agent_service.ReplyCache(settings.agent.reply_cache_s)
+    return cache
+
+
 @router.post("/heartbeat", response_model=ServerReply)
-async def heartbeat(hb: Heartbeat, platform: PlatformDep, _agent: AgentPrincipal) -> ServerReply:
+async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _agent: AgentPrincipal) -> ServerReply:
     """Apply the agent's report and answer with the node's assignments. With ``wait_s`` the
     reply is held (long poll) until the assignments change, unless the agent is already behind."""
     topic = notify.node_topic(hb.node)
-    since = platform.notifier.version(topic)
+    notifier = platform.notifier
+    since = notifier.version(topic)
+    epoch = notifier.epoch
+    cache = _reply_cache(request, platform)
 
     def _apply() -> ServerReply:
         with platform.sessions() as session:
-            return agent_service.heartbeat(session=session, hb=hb, settings=platform.settings)
+            steady = cache.lookup(hb, version=since, epoch=epoch) if cache is not None else None
+            if steady is not None and agent_service.heartbeat_steady(
+                    session=session, hb=hb, steady=steady, settings=platform.settings):
+                cache.hits += 1
+                return steady.reply
+            seen: dict = {}
+            reply = agent_service.heartbeat(session=session, hb=hb, settings=platform.settings, seen=seen)
+            if cache is not None:
+                cache.store(hb, reply, state=seen.get("state"), version=since, epoch=epoch)
+            return reply
 
     reply = await run_in_threadpool(_apply)
     if hb.wait_s <= 0 or reply.reregister or reply.assignments_digest != hb.assignments_digest:

@@ -7,6 +7,7 @@ from typing import Annotated, Iterator
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from hai.services import auth
 from hai.services.context import Platform
@@ -35,11 +36,20 @@ def get_session(request: Request, platform: PlatformDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def _principal(
+async def _principal(
     request: Request, platform: PlatformDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> auth.Principal:
     if creds is None:
         raise Unauthorized("missing bearer token")
+    cache = _agent_cache(request, platform)
+    known = cache.get(creds.credentials)
+    if known is not None:
+        return known  # a cached node credential: no database, no worker thread
+    return await run_in_threadpool(_lookup, request, platform, creds, cache)
+
+
+def _lookup(request: Request, platform: Platform, creds: HTTPAuthorizationCredentials,
+            cache: auth.AgentTokenCache) -> auth.Principal:
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
@@ -49,10 +59,18 @@ def _principal(
         except Unauthorized:
             failures.failed(client)
             raise
+        cache.put(session, creds.credentials, principal)
     if principal.stale_use and principal.token_id is not None:
         with platform.sessions() as session:  # a write at most once a minute per token
             auth.touch_token(session=session, token_id=principal.token_id)
     return principal
+
+
+def _agent_cache(request: Request, platform: Platform) -> auth.AgentTokenCache:
+    cache = getattr(request.app.state, "agent_tokens", None)
+    if cache is None:
+        cache = request.app.state.agent_tokens = auth.AgentTokenCache(platform.settings.auth.agent_token_cache_s)
+    return cache
 
 
 def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:

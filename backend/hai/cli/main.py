@@ -55,7 +55,8 @@ def server(
     port: Annotated[int, typer.Option()] = 8080,
     data_dir: Annotated[Path | None, typer.Option(help="embedded mode: where SQLite lives")] = None,
     topology: Annotated[Path | None, typer.Option(help="CSV node,gpus,leaf,zone")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="worker processes (uvicorn); production: one per core")] = 1,
+    workers: Annotated[int, typer.Option(min=1, max=256, help="worker processes (production: as many as cores; "
+                                         "needs PostgreSQL and Redis so that they share state)")] = 1,
 ) -> None:
     """Run the API server (production: HAI_DB__URL, HAI_REDIS__URL)."""
     import uvicorn
@@ -64,20 +65,26 @@ def server(
     from hai.services.context import Platform
 
     _logging()
-    platform = Platform.from_settings(_settings(data_dir))
+    settings = _settings(data_dir)
+    platform = Platform.from_settings(settings)
     _bootstrap(platform, topology)
     if workers == 1:
         uvicorn.run(create_app(platform), host=host, port=port, log_level="info")
         platform.close()
         return
+    if settings.database_url.startswith("sqlite") or not settings.redis.url:
+        typer.echo("--workers above 1 needs HAI_DB__URL (PostgreSQL) and HAI_REDIS__URL: the worker processes "
+                   "share the database and wake each other through Redis", err=True)
+        platform.close()
+        raise typer.Exit(2)
     platform.close()
-    # each worker process builds its own Platform (engine, pool, notifier) from the same settings
     if data_dir is not None:
         os.environ["HAI_DATA_DIR"] = str(data_dir)
-    # a loaded machine can keep a busy worker from answering the supervisor's ping for seconds:
-    # uvicorn's 5 s default then kills and respawns healthy workers
+    # each worker process builds its own app and platform from the environment
+    # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5;
+    # keep-alive 75 s: agents reuse their connection every heartbeat (uvicorn closes idle ones after 5 s)
     uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
-                timeout_worker_healthcheck=60)
+                timeout_worker_healthcheck=60, timeout_keep_alive=75)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001

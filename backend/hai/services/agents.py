@@ -14,13 +14,17 @@ running: its GPUs are released) and the reply.
 from __future__ import annotations
 
 import logging
-from sqlalchemy import select
+import threading
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.models import Node
 from hai.domain.nodes import NodeState
-from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, Heartbeat, ServerReply
+from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, Heartbeat, ServerReply
 from hai.services import metrics_store, node_health, notify, reports
 from hai.services.assignments import active_allocations, assigned, assignments_for, digest
 from hai.services.errors import UnsupportedProtocol
@@ -71,19 +75,18 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     return reply
 
 
-def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerReply:
+def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict | None = None) -> ServerReply:
+    """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
-    node = session.scalar(select(Node).where(Node.name == hb.node))
-    if node is None:
+    row = session.execute(select(Node, node_health.has_pending_run()).where(Node.name == hb.node)).first()
+    if row is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
+    node, maybe_pending = row
     if node_health.must_reregister(node):  # issue 10
         # the server gave this node's work away; the agent must hand in its inventory again
         session.commit()
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
-    node.last_heartbeat_at = now
-    if hb.gpus:
-        metrics_store.set_latest_gpus(node, hb.gpus, settings)
     metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     allocs = active_allocations(session, node.name)
     reported = reports.apply_reports(session, allocs, hb.attempts, now=now)
@@ -93,9 +96,17 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings) -> ServerR
         if changed:  # rare: a job moved on; its other allocations' actions may read differently
             held = assigned(allocs, settings)
     # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
-    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now):
+    pending: list = []
+    if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending,
+                                 maybe_pending=bool(maybe_pending)):
         held = assigned(allocs, settings)
-    reply = _reply(session, node, [a for _, a in held], settings)
+    # liveness and the latest GPU figures last: one UPDATE of the node row with the quick-round count
+    node.last_heartbeat_at = now
+    if hb.gpus:
+        metrics_store.set_latest_gpus(node, hb.gpus, settings)
+    reply = _reply(session, node, [a for _, a in held], settings, pending=pending)
+    if seen is not None:
+        seen["state"] = node.state
     session.commit()
     return reply
 
@@ -109,13 +120,90 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
     return reply
 
 
-def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings) -> ServerReply:
+def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings,
+           pending: list | None = None) -> ServerReply:
     return ServerReply(
         node=node.name,
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
-        validations=node_health.pending_requests(session, node),  # issue 10
+        validations=node_health.pending_requests(session, node, runs=pending),  # issue 10
     )
 
 
+
+
+# -- steady heartbeats answered from a cache (issue 12: 1,250 agents at 1 Hz) -------------------
+_COUNTING = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
+
+
+@dataclass(frozen=True, slots=True)
+class _Steady:
+    reply: ServerReply
+    attempts: list[AttemptStatus]
+    state: str
+    version: int  # the node topic's version read before the reply was built
+    epoch: int
+    until: float
+
+
+class ReplyCache:
+    """Per API process: the last reply of each node whose heartbeat changed nothing. The next
+    heartbeat with the same report, echoing that reply's digest, is answered with it after one
+    UPDATE (liveness, the latest GPU figures, the quick-round count), while nothing can have
+    changed the node's assignments: every change publishes the node's topic (``jobs.transition``,
+    starts, node state changes, validation requests), which moves its version; the notifier's
+    epoch moves when notifications may have been lost; and an entry lives ``ttl_s`` at most.
+    Only replies whose assignments all say ``run`` and that ask for no validation are kept
+    (a ``stop`` must be released by a full pass, a validation answered)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, _Steady] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def lookup(self, hb: Heartbeat, *, version: int, epoch: int) -> _Steady | None:
+        with self._lock:
+            c = self._entries.get(hb.node)
+        if c is None or c.version != version or c.epoch != epoch or c.until <= time.monotonic():
+            return None
+        if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
+            return None
+        return c
+
+    def store(self, hb: Heartbeat, reply: ServerReply, *, state: str | None, version: int, epoch: int) -> None:
+        steady = (self.ttl_s > 0 and state is not None and not reply.reregister and not reply.validations
+                  and not hb.validations and hb.assignments_digest == reply.assignments_digest
+                  and state in (NodeState.READY.value, NodeState.DRAINED.value)
+                  and all(a.action == DesiredAction.RUN for a in reply.assignments))
+        with self._lock:
+            if steady:
+                self._entries[hb.node] = _Steady(reply, list(hb.attempts), state, version, epoch,
+                                                 time.monotonic() + self.ttl_s)
+            else:
+                self._entries.pop(hb.node, None)
+
+
+def heartbeat_steady(*, session: Session, hb: Heartbeat, steady: _Steady, settings: Settings) -> bool:
+    """The cached reply stands if the node is still in the state it was cached in and its quick
+    round is not due: liveness, GPU figures and the round's count in one UPDATE, the metrics
+    buffered. False (nothing written): the caller runs the full heartbeat."""
+    check_version(hb.protocol_version)
+    now = utcnow()
+    values: dict = {"last_heartbeat_at": now}
+    if hb.gpus:
+        values["gpu_metrics"] = [g.model_dump() for g in hb.gpus]
+        values["gpu_util_pct"], values["gpus_busy"] = metrics_store.latest_gpu_figures(
+            hb.gpus, settings.metrics.busy_util_pct)
+    stmt = update(Node).where(Node.name == hb.node, Node.state == steady.state)
+    every = settings.validation.quick_every_heartbeats
+    if every and steady.state in _COUNTING:
+        stmt = stmt.where(Node.heartbeats_since_quick < every - 1)
+        values["heartbeats_since_quick"] = Node.heartbeats_since_quick + 1
+    if session.execute(stmt.values(**values).execution_options(synchronize_session=False)).rowcount != 1:
+        session.rollback()
+        return False
+    metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
+    session.commit()
+    return True

@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session, joinedload, lazyload
 
 from hai.db.models import Job, JobAllocation
 from hai.domain.jobs import JobState, assignment_action
@@ -54,13 +54,15 @@ def launch_spec(job: Job, alloc: JobAllocation, settings: Settings) -> LaunchSpe
 
 def active_allocations(session: Session, node_name: str) -> list[JobAllocation]:
     """The allocations that hold GPUs on the node now, in (job, attempt) order, with their jobs
-    (loaded together: a few queries per heartbeat, not a few per allocation)."""
+    (one query per heartbeat, not a few per allocation). A job's events and its other
+    allocations are not loaded here: a heartbeat that changes nothing needs neither (they load
+    on first use, when a report is judged or a transition recorded)."""
     return list(
         session.scalars(
             select(JobAllocation)
             .where(JobAllocation.node_name == node_name, JobAllocation.active.is_(True))
             .order_by(JobAllocation.job_id, JobAllocation.attempt)
-            .options(selectinload(JobAllocation.job).selectinload(Job.allocations))
+            .options(joinedload(JobAllocation.job, innerjoin=True).options(lazyload(Job.events), lazyload(Job.allocations)))
         )
     )
 

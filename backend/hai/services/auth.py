@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -161,3 +163,37 @@ def touch_token(*, session: Session, token_id: int, now: datetime | None = None)
         .values(last_used_at=now)
     )
     session.commit()
+
+
+class AgentTokenCache:
+    """Node credentials checked once per ``ttl_s`` per process instead of once per request (1,250
+    agents at 1 Hz would otherwise cost a token query per heartbeat). Only agent tokens are kept
+    (they cannot be revoked through the API; a row revoked or expired in the database stops
+    working within ``ttl_s``); user tokens are looked up on every request."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, Principal]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, secret: str) -> Principal | None:
+        if self.ttl_s <= 0:
+            return None
+        key = hash_token(secret)
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is None or hit[0] <= time.monotonic():
+            return None
+        return hit[1]
+
+    def put(self, session: Session, secret: str, principal: Principal) -> None:
+        if self.ttl_s <= 0 or principal.kind != "agent":
+            return
+        until = time.monotonic() + self.ttl_s
+        token = session.get(ApiToken, principal.token_id) if principal.token_id is not None else None
+        if token is not None and token.expires_at is not None:
+            until = min(until, time.monotonic() + (token.expires_at - utcnow()).total_seconds())
+        with self._lock:
+            if len(self._entries) > 1024:
+                self._entries.clear()
+            self._entries[hash_token(secret)] = (until, principal)

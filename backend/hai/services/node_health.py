@@ -9,6 +9,8 @@ and moving jobs off a node at their checkpoint.
   in a later heartbeat. A failed critical check makes the node ``unhealthy`` at once and moves
   its jobs; jobs that failed there within ``validation.fault_window_s`` are requeued as restarts.
 - Undrain runs the full suite first and refuses (409, the failed checks named) unless ``force``.
+  In Kubernetes mode (virtual agents run no validators) it checks the Kubernetes Node instead:
+  Ready -> the node is back and uncordoned; NotReady or missing -> 409.
 - A lost node whose agent comes back takes work again only after a passing validation.
 
 Every node state change goes through services.node_state.set_node_state.
@@ -42,6 +44,27 @@ MOVE_DRAIN = "drain"
 MOVE_UNHEALTHY = "unhealthy"
 PENDING = "pending"
 FINISHED = ("passed", "failed", "expired")
+
+
+# The Kubernetes backend's virtual agents (AgentHello.agent_version) run no validators: on those
+# nodes the kubelet and the device plugin watch the hardware (a Node NotReady becomes unhealthy),
+# so no rounds are requested there, a lost node returns without a validation run, and an undrain
+# without force checks that the Kubernetes Node is Ready instead of waiting for a run.
+VIRTUAL_AGENT_VERSION = "kubernetes"
+
+
+def runs_validators(node: Node) -> bool:
+    return node.agent_version != VIRTUAL_AGENT_VERSION
+
+
+_NEW_RUNS = "hai.validation_runs_requested"  # session.info: nodes given a run in this transaction
+
+
+def has_pending_run():  # noqa: ANN201
+    """A column expression for ``select(Node, has_pending_run())``: whether the node has a run
+    waiting for its agent (the heartbeat reads it with the node and skips the runs' query)."""
+    return (select(ValidationRun.id).where(ValidationRun.node_name == Node.name, ValidationRun.status == PENDING)
+            .exists().label("has_pending_run"))
 
 
 def validation_topic(run_id: int) -> str:
@@ -108,6 +131,7 @@ def request_validation(session: Session, node: Node, *, level: str, trigger: str
                         requested_by=requested_by, requested_at=now or utcnow(), summary="", checks=[])
     session.add(run)
     session.flush()
+    session.info.setdefault(_NEW_RUNS, set()).add(node.name)
     if wake:
         publish_after_commit(session, notify.node_topic(node.name))
     return run
@@ -120,13 +144,22 @@ def validate_node(*, session: Session, name: str, user: Principal, level: str = 
     return run
 
 
-def pending_requests(session: Session, node: Node, *, now: datetime | None = None) -> list[ValidationRequest]:
-    """The runs the node's agent should run (every reply lists them until they are answered)."""
-    now = now or utcnow()
-    runs = list(session.scalars(
+def pending_runs(session: Session, node: Node) -> list[ValidationRun]:
+    return list(session.scalars(
         select(ValidationRun).where(ValidationRun.node_name == node.name, ValidationRun.status == PENDING)
         .order_by(ValidationRun.id)
     ))
+
+
+def pending_requests(session: Session, node: Node, *, now: datetime | None = None,
+                     runs: list[ValidationRun] | None = None) -> list[ValidationRequest]:
+    """The runs the node's agent should run (every reply lists them until they are answered);
+    ``runs``: the node's pending runs, when the caller has just read them."""
+    now = now or utcnow()
+    if runs is None:
+        runs = pending_runs(session, node)
+    if not runs:
+        return []
     inventory = [GpuInfo.model_validate(g) for g in (node.gpu_inventory or [])]
     for run in runs:
         if run.delivered_at is None:
@@ -187,12 +220,14 @@ def absorb_reports(session: Session, node: Node, reports: list[ValidationReport]
             request_validation(session, node, level="full", trigger="xid", requested_by="validator", now=now)
 
 
-def _return(session: Session, node: Node, run: ValidationRun, now: datetime) -> None:
-    """A lost node passed its return validation: back to ready, or to the drain or fault it was
-    in when it went silent (only an undrain brings those back)."""
+def _return(session: Session, node: Node, run: ValidationRun | None, now: datetime) -> None:
+    """A lost node passed its return validation (``run`` None: a virtual agent, which runs none):
+    back to ready, or to the drain or fault it was in when it went silent (only an undrain brings
+    those back)."""
     before = node.state_detail or {}
     was = before.get("was")
-    passed = f"the agent is back and validation run {run.id} passed"
+    passed = (f"the agent is back and validation run {run.id} passed" if run is not None else
+              "the Kubernetes backend reports the node again (Kubernetes watches its health: no validation run)")
     if was == NodeState.UNHEALTHY.value:
         set_node_state(session, node, NodeState.UNHEALTHY, actor="validator", now=now,
                        reason=f"{passed}; still unhealthy: {before.get('was_reason', '')}", detail=before)
@@ -229,7 +264,8 @@ def schedule_full_round(*, session: Session, settings: Settings, now: datetime |
     now = now or utcnow()
     ids = []
     for node in session.scalars(select(Node).order_by(Node.name)):
-        if NodeState(node.state) in (NodeState.LOST, NodeState.UNHEALTHY) or not _connected(node, settings, now):
+        if NodeState(node.state) in (NodeState.LOST, NodeState.UNHEALTHY) or not _connected(node, settings, now) \
+                or not runs_validators(node):
             continue
         if _pending_run(session, node) is None:
             ids.append(request_validation(session, node, level="full", trigger="schedule",
@@ -251,6 +287,9 @@ def on_register(session: Session, node: Node, *, settings: Settings, now: dateti
     if not (node.state_detail or {}).get("silent_since"):  # listed by a topology file, first agent
         set_node_state(session, node, NodeState.READY, actor="agent", reason="agent registered", now=now)
         return
+    if not runs_validators(node):
+        _return(session, node, None, now)
+        return
     run = request_validation(session, node, level=settings.validation.return_level, trigger="return",
                              requested_by="agent", now=now)
     node.return_validation_id = run.id
@@ -258,28 +297,38 @@ def on_register(session: Session, node: Node, *, settings: Settings, now: dateti
 
 
 def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
-                 now: datetime) -> bool:
+                 now: datetime, pending: list[ValidationRun] | None = None, maybe_pending: bool = True) -> bool:
     """After the agent's report is reconciled: absorb validator results, start the periodic
     quick round, keep moving jobs off a node out of service, settle draining -> drained.
-    True when a job on the node may have changed (the node's assignments must be rebuilt)."""
+    True when a job on the node may have changed (the node's assignments must be rebuilt).
+    ``pending``: a list this fills with the node's pending runs afterwards (one query for the
+    round and the reply); ``maybe_pending`` False: the node had none when the heartbeat read it
+    (``has_pending_run``), so without reports or a run requested since, there is none to read."""
     moved: list[int] = []
     if reports:
         absorb_reports(session, node, reports, settings=settings, now=now)
+    if maybe_pending or reports or node.name in session.info.get(_NEW_RUNS, ()):
+        runs = pending_runs(session, node)
+    else:
+        runs = []
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
-    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED):
-        if _pending_run(session, node) is None:  # count only while no run is waiting
+    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED) \
+            and runs_validators(node):
+        if not runs:  # count only while no run is waiting
             node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
         if node.heartbeats_since_quick >= every:
             node.heartbeats_since_quick = 0
-            request_validation(session, node, level="quick", trigger="periodic", requested_by="validator", now=now,
-                               wake=False)
+            runs.append(request_validation(session, node, level="quick", trigger="periodic",
+                                           requested_by="validator", now=now, wake=False))
     if state in (NodeState.DRAINING, NodeState.UNHEALTHY):
         # a job placed from a snapshot older than the drain: move it too
         moved = move_jobs_off(session, node, cause=MOVE_DRAIN if state == NodeState.DRAINING else MOVE_UNHEALTHY,
                               reason=node.state_reason, now=now)
     settle(session, node, now=now)
+    if pending is not None:
+        pending[:] = runs
     return bool(reports) or bool(moved)
 
 
@@ -358,7 +407,7 @@ def on_job_failing(session: Session, job: Job, *, reason: str, settings: Setting
                    and any(r.get("state") == "exited" and r.get("exit_code") not in (0, None)
                            for r in a.status.get("ranks", []))})
     for n in session.scalars(select(Node).where(Node.name.in_(died)).order_by(Node.name)):
-        if n.state != NodeState.LOST.value and _pending_run(session, n) is None:
+        if n.state != NodeState.LOST.value and runs_validators(n) and _pending_run(session, n) is None:
             request_validation(session, n, level="quick", trigger="rank_died", requested_by="validator", now=now)
     return False
 
@@ -423,6 +472,12 @@ def _mirror_cordon(name: str, reason: str | None, settings: Settings | None = No
         k8s.cordon(name, reason)
 
 
+def _kubernetes_node_health(name: str) -> tuple[bool, str]:
+    from hai.integrations.kubernetes import backend as k8s  # the only place that talks to Kubernetes
+
+    return k8s.node_health(name)
+
+
 def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal) -> str:
     """Bring a drained, draining or unhealthy node back. Without ``force`` the full suite runs on
     the node first (this call waits for it, up to validation.undrain_timeout_s) and a critical
@@ -437,6 +492,16 @@ def undrain_node(*, platform: Platform, name: str, force: bool, user: Principal)
         if force:
             set_node_state(session, node, NodeState.READY, actor=actor,
                            reason=f"undrained by {user.name} (forced: validation skipped)", detail={"forced": True})
+            session.commit()
+            _mirror_cordon(name, None, settings)
+            return name
+        if not runs_validators(node) and settings.executor == "kubernetes":
+            # Kubernetes mode: no validators run there; the Node's own health decides
+            healthy, why = _kubernetes_node_health(name)
+            if not healthy:
+                raise Conflict(f"node {name} stays out of service: {why}; use force to undrain anyway")
+            set_node_state(session, node, NodeState.READY, actor=actor, detail={"kubernetes": why},
+                           reason=f"undrained by {user.name}: Kubernetes mode, no validation run ({why})")
             session.commit()
             _mirror_cordon(name, None, settings)
             return name

@@ -46,6 +46,9 @@ class Notifier:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._versions: dict[str, int] = defaultdict(int)
+        # bumped whenever notifications may have been lost (a Redis error): what was cached
+        # against topic versions must be read again
+        self.epoch = 0
         self._async_waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = defaultdict(list)
 
     # -- publishing -------------------------------------------------------------------------
@@ -120,6 +123,7 @@ class RedisNotifier(Notifier):
         try:
             self._redis.publish(self.CHANNEL, self._origin + "|" + ",".join(topics))
         except Exception:  # Redis can be lost without losing a job: callers poll too
+            self.epoch += 1
             log.warning("could not publish %s to Redis", topics, exc_info=True)
 
     def _listen(self) -> None:
@@ -127,6 +131,7 @@ class RedisNotifier(Notifier):
             try:
                 msg = self._pubsub.get_message(timeout=1.0)
             except Exception:
+                self.epoch += 1
                 log.warning("Redis notify listener error; retrying", exc_info=True)
                 self._stop.wait(1.0)
                 continue

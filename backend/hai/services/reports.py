@@ -70,11 +70,17 @@ def apply_reports(
         alloc = active.get(key)
         if alloc is None:
             continue  # not ours any more: the agent stops what it is not assigned
-        alloc.status = status.model_dump(mode="json")
+        new = status.model_dump(mode="json")
+        unchanged = new == alloc.status
+        alloc.status = new
         job = alloc.job
         _absorb(job, status)
         if node_report(alloc, status).done_with(expected_ranks(job)):
             release(alloc, now)
+        elif unchanged and job.state == JobState.RUNNING.value and alloc.attempt == job.attempt:
+            # the same report as last time for a running job: it was judged then, and what other
+            # nodes report is judged when they report it (the common steady-state heartbeat)
+            continue
         touched[job.id] = job
     for job in touched.values():
         evaluate_job(session, job, now=now)

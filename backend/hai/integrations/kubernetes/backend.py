@@ -629,6 +629,7 @@ class KubernetesBackend:
             service_account=self.cfg.service_account, checkpoint_claim=self.cfg.checkpoint_claim,
             checkpoint_host_path=self.cfg.checkpoint_host_path, checkpoint_mount=self.cfg.checkpoint_mount,
             stop_grace_s=a.spec.stop_grace_s if a.spec.stop_grace_s is not None else 10.0,
+            rdma_resource=self.cfg.rdma_resource,
         )
         if a.action == "suspend":
             pod["metadata"]["annotations"][ob.SUSPEND_ANNOTATION] = ob.suspend_value(self.clock(), a.spec.suspend_grace_s)
@@ -928,6 +929,21 @@ def uncordon(node_name: str) -> None:
     _api_for_calls().patch_node(node_name, {"spec": {"unschedulable": False},
                                             "metadata": {"annotations": {ob.CORDON_ANNOTATION: None}}},
                                 _preload_content=False)
+
+
+def node_health(node_name: str) -> tuple[bool, str]:
+    """(healthy, why) of a Kubernetes Node apart from its cordon: what an undrain without force
+    checks in Kubernetes mode, where the kubelet and the device plugin watch the hardware and the
+    platform runs no validators. A Node that does not exist is not healthy."""
+    try:
+        node = _json(_api_for_calls().read_node(node_name, _preload_content=False))
+    except ApiException as e:
+        if e.status == 404:
+            return False, f"Kubernetes has no Node {node_name}"
+        raise
+    node = {**node, "spec": {**(node.get("spec") or {}), "unschedulable": False}}
+    state, why = ob.node_condition(node)
+    return state == "ready", why or "the Kubernetes Node is Ready"
 
 
 def start_backend(platform: Platform, api: k8s.CoreV1Api | None = None) -> KubernetesBackend:

@@ -189,7 +189,12 @@ def rank_envs(a: Assignment, *, node: str, namespace: str, checkpoint_dir: str) 
 def attempt_pod(a: Assignment, *, node: str, namespace: str, parent: dict, image: str, python: str,
                 gpu_resource: str, image_pull_policy: str = "IfNotPresent", service_account: str = "",
                 checkpoint_claim: str = "", checkpoint_host_path: str = "",
-                checkpoint_mount: str = "/hai/checkpoints", stop_grace_s: float = 10.0) -> dict:
+                checkpoint_mount: str = "/hai/checkpoints", stop_grace_s: float = 10.0,
+                rdma_resource: str = "") -> dict:
+    """The attempt's pod on ``node``. hfreduce ranks are bound as the agent binds them: the
+    wrapper runs with ``--bind numa`` (CPUs of the GPU's NUMA node, that node's HCA in HAI_NIC /
+    NCCL_IB_HCA) and each container asks for one ``rdma_resource`` (an RDMA device plugin's
+    resource, e.g. ``rdma/hca_shared_devices_a``) when one is configured."""
     spec = a.spec
     ckpt = f"{checkpoint_mount.rstrip('/')}/{a.job_id}/checkpoints"
     volumes: list[dict] = [
@@ -209,11 +214,16 @@ def attempt_pod(a: Assignment, *, node: str, namespace: str, parent: dict, image
     containers = []
     for rank, local, gpus, env in rank_envs(a, node=node, namespace=namespace, checkpoint_dir=ckpt):
         limits = {gpu_resource: str(gpus)} if gpus else {}
+        wrap = [python, "-m", "hai.integrations.kubernetes.podwrap"]
+        if spec.job_type == "hfreduce":
+            wrap += ["--bind", "numa"]
+            if rdma_resource:
+                limits[rdma_resource] = "1"
         containers.append({
             "name": f"rank-{rank}",
             "image": image,
             "imagePullPolicy": image_pull_policy,
-            "command": [python, "-m", "hai.integrations.kubernetes.podwrap", "--", *spec.command],
+            "command": [*wrap, "--", *spec.command],
             "env": _env_list(env),
             "resources": {"limits": limits, "requests": dict(limits)},
             "volumeMounts": [dict(m) for m in mounts],

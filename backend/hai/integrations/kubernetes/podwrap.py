@@ -11,11 +11,18 @@ events to ``$HAI_CONTROL_DIR/events.<RANK>.jsonl``, exactly as under the node ag
   container's stdout as one line ``EVENT_PREFIX + json``; the backend follows the pod's log and
   takes those lines out of the log stream.
 
+hfreduce ranks (``--bind numa``), as the agent's launcher binds them: the wrapper finds the
+container's GPU (``NVIDIA_VISIBLE_DEVICES`` as the device plugin sets it, a UUID or an index, in
+``/proc/driver/nvidia/gpus/*/information``), binds the command to the CPUs of that GPU's NUMA
+node (those of them the container may use) and sets ``HAI_NUMA_NODE`` and, where the node has
+InfiniBand, ``HAI_NIC`` and ``NCCL_IB_HCA`` (unless the job set it) to that NUMA node's HCA.
+
 The command runs as a child in the wrapper's process group (the container's); SIGTERM/SIGINT
 sent to the wrapper (PID 1 of the container) are passed on to it; the wrapper exits with the command's code (128 + N for a signal N), so the container's
 exit code is the rank's.
 
     python -m hai.integrations.kubernetes.podwrap -- python train.py ...
+    python -m hai.integrations.kubernetes.podwrap --bind numa -- python train.py ...   (hfreduce)
 """
 
 from __future__ import annotations
@@ -99,12 +106,63 @@ class Bridge:
         self.ship_events()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def numa_binding(environ: dict[str, str], *, sysfs: str = "/sys", procfs: str = "/proc",
+                 ) -> tuple[dict[str, str], list[int] | None]:
+    """(environment to add, CPUs to bind to) for an hfreduce rank whose container holds one GPU."""
+    import hai.agent.topology as topology  # stdlib only, like this module
+
+    visible = environ.get("NVIDIA_VISIBLE_DEVICES") or environ.get("CUDA_VISIBLE_DEVICES") or ""
+    wanted = [v.strip() for v in visible.split(",") if v.strip() and v.strip() not in ("all", "none", "void")]
+    gpus = topology.nvidia_gpus(procfs)
+    bus = None
+    if wanted:
+        w = wanted[0]
+        bus = next((b for b, uuid, minor in gpus if w == uuid or (w.isdigit() and minor == int(w))), None)
+    if bus is None and len(gpus) == 1:
+        bus = gpus[0][0]  # the container sees its own GPU only
+    numa = topology.pci_numa_node(bus, sysfs) if bus else None
+    env: dict[str, str] = {}
+    cpus = None
+    if numa is not None:
+        env["HAI_NUMA_NODE"] = str(numa)
+        cpus = topology.numa_cpus(numa, sysfs)
+    nic = topology.nic_for(numa, topology.ib_devices(sysfs))
+    if nic:
+        env["HAI_NIC"] = nic
+        if "NCCL_IB_HCA" not in environ:
+            env["NCCL_IB_HCA"] = nic
+    return env, cpus
+
+
+def _options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    opts: dict[str, str] = {}
+    while argv and argv[0] in ("--bind", "--sysfs", "--procfs") and len(argv) >= 2:
+        opts[argv[0][2:]] = argv[1]
+        argv = argv[2:]
     if argv and argv[0] == "--":
         argv = argv[1:]
+    return opts, argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, argv = _options(list(sys.argv[1:] if argv is None else argv))
     if not argv:
         print("podwrap: no command", file=sys.stderr)
+        return 2
+    env = None
+    if opts.get("bind") == "numa":
+        extra, cpus = numa_binding(dict(os.environ), sysfs=opts.get("sysfs", "/sys"),
+                                   procfs=opts.get("procfs", "/proc"))
+        env = {**os.environ, **extra}
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)  # inherited by the command
+            except OSError as e:
+                print(f"podwrap: could not bind to CPUs {cpus}: {e}", file=sys.stderr, flush=True)
+        print(f"podwrap: NUMA binding: node {extra.get('HAI_NUMA_NODE', 'unknown')}, CPUs {cpus or 'all'}, "
+              f"NIC {extra.get('HAI_NIC', 'none')}", file=sys.stderr, flush=True)
+    elif opts.get("bind"):
+        print(f"podwrap: unknown --bind {opts['bind']!r} (known: numa)", file=sys.stderr)
         return 2
     control = os.environ.get("HAI_CONTROL_DIR")
     bridge = None
@@ -113,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         bridge = Bridge(control, os.environ.get("HAI_PODINFO_DIR"), os.environ.get("RANK", "0"))
         bridge.sync_suspend()  # a pod created while its suspend is already requested
     try:
-        child = subprocess.Popen(argv)
+        child = subprocess.Popen(argv, env=env)
     except OSError as e:
         print(f"podwrap: cannot start {argv[0]}: {e}", file=sys.stderr)
         return 127
