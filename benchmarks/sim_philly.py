@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
 from hai.domain.topology import fire_flyer
-from hai.services.scheduling import policy_from_settings
 from hai.settings import get_settings
 from hai.sim.engine import SimConfig, Simulation
 from hai.sim.policies import make_scheduler
@@ -60,7 +59,7 @@ def main() -> None:
 
     topo = fire_flyer(nodes=args.nodes, zones=args.zones, nodes_per_leaf=args.nodes_per_leaf)
     jobs, _ = parse_trace(args.trace.read_text(), time_scale=args.time_scale, limit=args.limit)
-    policy = policy_from_settings()
+    policy = get_settings().scheduler.policy()  # = services.scheduling.policy_from_settings()
     rows = {}
     for name in args.policies.split(","):
         scheduler = make_scheduler(name)
