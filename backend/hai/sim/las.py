@@ -93,7 +93,7 @@ class LasScheduler(Baseline):
         # job's grows, a waiting job's does not
         executed: dict[int, float] = {}
         for jid, r in running.items():
-            executed[jid] = r.attained_gpu_s + max(0.0, now - r.started_at) * r.gpu_count - base[jid]
+            executed[jid] = r.attained_gpu_s + max(0.0, now - r.started_at) * _gpus(r) - base[jid]
         # demotion (one queue at a time, as each threshold is crossed)
         for jid, e in executed.items():
             q = qid[jid]
@@ -113,7 +113,7 @@ class LasScheduler(Baseline):
                         e = o.attained_gpu_s - base[jid]  # type: ignore[attr-defined]
                         if e > 0:
                             p = pending_s[jid] = pending_s.get(jid, 0.0) + dt
-                            if p >= self.starvation * e / max(1, o.gpu_count):  # type: ignore[attr-defined]
+                            if p >= self.starvation * e / max(1, _gpus(o)):  # type: ignore[attr-defined]
                                 base[jid] += e
                                 pending_s[jid] = 0.0
                                 qid[jid] = 0
@@ -128,10 +128,10 @@ class LasScheduler(Baseline):
         pinned_until: list[float] = []
         for r in snapshot.running:
             if r.state == JobState.SUSPENDING:
-                cap -= r.gpu_count
+                cap -= _gpus(r)
                 pinned.add(r.id)
             elif now - r.started_at < min_rt:
-                cap -= r.gpu_count  # in its minimum runtime: it keeps its GPUs
+                cap -= _gpus(r)  # in its minimum runtime: it keeps its GPUs
                 pinned.add(r.id)
                 pinned_until.append(r.started_at + min_rt)
         index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
@@ -150,7 +150,7 @@ class LasScheduler(Baseline):
                 if jid in pinned:
                     continue
                 o = jobs[jid]
-                g = o.gpu_count  # type: ignore[attr-defined]
+                g = _gpus(o)
                 if g > cap:
                     if jid in queued_ids:
                         if reasons < REASONS:
@@ -195,7 +195,7 @@ class LasScheduler(Baseline):
             for jid in still:
                 q = qid[jid]
                 if q < last:
-                    g = jobs[jid].gpu_count  # type: ignore[attr-defined]
+                    g = _gpus(jobs[jid])
                     if g:
                         times.append(now + (th[q] - executed.get(jid, 0.0)) / g)
             if self.starvation > 0:
@@ -203,9 +203,14 @@ class LasScheduler(Baseline):
                     if jid not in still and qid[jid] > 0:
                         e = o.attained_gpu_s - base[jid]  # type: ignore[attr-defined]
                         if e > 0:
-                            due = self.starvation * e / max(1, o.gpu_count) - self.pending_s.get(jid, 0.0)  # type: ignore[attr-defined]
+                            due = self.starvation * e / max(1, _gpus(o)) - self.pending_s.get(jid, 0.0)  # type: ignore[attr-defined]
                             times.append(now + max(due, 1.0))
             times = [t for t in times if t > now]
             wake = min(times) if times else None
         self.next_wakeup = wake
         return d
+
+
+def _gpus(o: object) -> int:
+    """GPUs a job holds or asks for (a running job holds whole shapes: nodes x GPUs per node)."""
+    return o.nodes * o.gpus_per_node  # type: ignore[attr-defined]
