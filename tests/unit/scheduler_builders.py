@@ -45,6 +45,7 @@ class JobBuilder:
         self._suspend_for: str | None = None
         self._reserved: tuple[str, ...] = ()
         self._suspensions = 0
+        self._attained = 0.0
 
     def nodes(self, n: int) -> JobBuilder:
         self._nodes = n
@@ -111,6 +112,11 @@ class JobBuilder:
 
     def reserved(self, *nodes: str) -> JobBuilder:
         self._reserved = tuple(nodes)
+        return self
+
+    def attained(self, gpu_s: float) -> JobBuilder:
+        """GPU-seconds of its earlier attempts (attained service)."""
+        self._attained = gpu_s
         return self
 
     def suspensions(self, n: int) -> JobBuilder:
@@ -213,6 +219,7 @@ class Cluster:
                 allow_cross_zone=b._cross,
                 min_runtime_s=b._min_runtime,
                 suspend_requested_for=self.id_of(b._suspend_for) if b._suspend_for else None,
+                attained_gpu_s=b._attained,
             )
         )
         return self
@@ -233,6 +240,7 @@ class Cluster:
                     allow_cross_zone=b._cross,
                     suspensions=b._suspensions,
                     reserved_nodes=b._reserved,
+                    attained_gpu_s=b._attained,
                 )
             )
         return self

@@ -62,6 +62,29 @@ def test_las_is_fifo_within_a_queue_and_duration_blind():
     assert r[3]["first_start_s"] == 1210
 
 
+def test_las_never_preempts_for_a_job_of_the_same_queue_running_jobs_stay_ahead():
+    # Tiresias moves waiting jobs behind the running ones of their queue after every round, so
+    # only a job of a queue with less attained service preempts. Job 2 (queue 0) takes over from
+    # job 1 (queue 2 at 900 s: 7,200 GPU-s) once its minimum runtime is over; when job 2 is
+    # demoted into queue 2 at 1810 it lands behind job 1, which resumes and then keeps its GPUs to
+    # the end (queue 2 is the last): two preemptions in all, not one per minimum runtime
+    m, r = run(LasScheduler(), [tj(1, 0, 20_000), tj(2, 100, 20_000, user="v")])
+    assert r[2]["first_start_s"] == 910
+    assert r[1]["end_s"] == 1820 + 30 + (20_000 - 900)  # resumed at 1820, never suspended again
+    assert r[2]["end_s"] == r[1]["end_s"] + 30 + (20_000 - 900)
+    assert r[1]["suspensions"] == r[2]["suspensions"] == 1 and m["preemptions"] == 2
+
+
+def test_las_starvation_knob_moves_a_starved_job_back_to_queue_zero():
+    # with solve_starvation=1 a job suspended after running 900 s is promoted to queue 0 once it
+    # has waited 900 s, and preempts the other (queue 2): the two take turns instead of job 2
+    # waiting for job 1's end (40,080 s without the knob)
+    m, r = run(LasScheduler(starvation=1.0), [tj(1, 0, 20_000), tj(2, 100, 20_000, user="v")])
+    assert r[1]["suspensions"] >= 2 and r[2]["suspensions"] >= 2
+    assert r[1]["end_s"] > 20_950  # job 1 no longer runs to its end undisturbed
+    assert m["double_allocations"] == m["invalid_decisions"] == 0
+
+
 def test_las_never_double_allocates_or_crosses_zones_on_a_mixed_trace():
     jobs = [tj(i, i * 40, 300 + (i * 137) % 4000, gpus=[1, 2, 8, 16][i % 4], user=f"u{i % 3}") for i in range(60)]
     s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=1), jobs, policy=Policy(), scheduler=LasScheduler(), config=CFG)

@@ -125,6 +125,10 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
             gpus_per_node=j.gpus_per_node,
             first_submitted_at=j.created_at.timestamp(),
             allow_cross_zone=j.allow_cross_zone,
+            # attained service (least attained service, Policy.service_classes_gpu_s): the
+            # GPU-seconds of its finished attempts; a running job's current attempt is added by
+            # the policy from started_at, as in the simulator
+            attained_gpu_s=(j.run_s or 0.0) * j.nodes * j.gpus_per_node,
         )
         if j.state == JobState.QUEUED.value:
             if not j.user_suspended:

@@ -610,6 +610,7 @@ class Simulation:
             return None
         th = self.policy.service_classes_gpu_s
         mr = self.policy.min_runtime_s
+        qf = self.policy.service_quantum_factor
         best = None
         for j in self.running.values():
             if j.state != _RUNNING:
@@ -622,7 +623,7 @@ class Simulation:
                     if best is None or w < best:
                         best = w
                     break
-            w = j.attempt_start + mr
+            w = j.attempt_start + max(mr, qf * j.attained / max(1, g))
             if w > t and (best is None or w < best):
                 best = w
         return best + self.eps if best is not None else None

@@ -235,12 +235,14 @@ class _Cycle:
                 continue
             # 6. waiting, with the placement failure and what preemption could not do
             behind = self._behind(rank, jid) if self.classes else 0
-            fkey = (reason, deferred, behind)
+            fkey = (reason, deferred, behind, self._cls.get(jid, 0))
             got = final.get(fkey)
             if got is None:
                 got = final[fkey] = reason + self._note(job, False, deferred)
                 if behind:
-                    got += f"; waits behind {behind} job(s) with less attained service (service class {self._cls[jid]})"
+                    got += f"; waits behind {behind} job(s) with less attained service"
+                if self.classes:
+                    got += self._class_note(self._cls[jid])
             pend[jid] = got
             if not plain:
                 self.res.drop(jid)
@@ -445,6 +447,13 @@ class _Cycle:
             self._ahead[rank_] = ahead
         self.queue = [j for _, js in self.levels for j in js]
 
+    def _class_note(self, c: int) -> str:
+        """Where least attained service put the job: its class, and the GPU-time after which it
+        was demoted there."""
+        if c == 0:
+            return " (service class 0: least attained service)"
+        return f" (service class {c}: demoted after {self.classes[c - 1] / 3600:.1f} GPU-hours of attained service)"
+
     def _behind(self, rank: int, jid: int) -> int:
         """Jobs of its level in lower service classes (ahead of it in the queue)."""
         return self._ahead.get(rank, {}).get(self._cls.get(jid, 0), 0)
@@ -455,15 +464,17 @@ class _Cycle:
         if self._las_nodes is None:
             nodes: dict[int, list[tuple]] = {}
             pol, now, th = self.policy, self.now, self.classes
+            qf = pol.service_quantum_factor
             eff, susp = self.facts.eff_rank, self.facts.susp_mark
             by_name = self.index.by_name
             for i, r in enumerate(self.snap.running):
                 if susp[i] or len(r.allocations) != 1:
                     continue
                 ran = now - r.started_at
-                if ran < (r.min_runtime_s if r.min_runtime_s is not None else pol.min_runtime_s):
-                    continue
                 g = r.gpu_count
+                mr = r.min_runtime_s if r.min_runtime_s is not None else pol.min_runtime_s
+                if ran < mr or (qf and ran < qf * r.attained_gpu_s / max(1, g)):
+                    continue  # its minimum runtime, or the quantum its attained service earned
                 attained = r.attained_gpu_s + ran * g
                 c = bisect_right(th, attained)
                 slot = by_name.get(r.allocations[0].node)
@@ -524,7 +535,8 @@ class _Cycle:
                 chosen_t[i] = True
             why = (
                 f"suspend at its next checkpoint for job {job.id}: it has attained"
-                f" {attained / 3600:.1f} GPU-hours (service class {-negc}), job {job.id} {job.attained_gpu_s / 3600:.1f}"
+                f" {attained / 3600:.1f} GPU-hours (service class {-negc}, demoted after"
+                f" {self.classes[-negc - 1] / 3600:.1f} GPU-hours), job {job.id} {job.attained_gpu_s / 3600:.1f}"
                 f" (class {wcls}); least attained service goes first within {job.priority.value}; it ran"
                 f" {fmt_duration(self.now - running[i].started_at)}, about {l / 3600:.2f} GPU-hours since its last checkpoint are lost"
             )

@@ -118,6 +118,10 @@ class Policy:
     # a waiting job promoted to class 0 once it waited this many times its executed time
     # (Tiresias' starvation knob; 0: never)
     starvation_factor: float = 0.0
+    # a quantum that grows with attained service: a job that resumes with A GPU-seconds attained
+    # over g GPUs is not suspended for a job with less attained service before it ran
+    # max(min_runtime_s, service_quantum_factor * A / g) in this attempt (0: the minimum runtime)
+    service_quantum_factor: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

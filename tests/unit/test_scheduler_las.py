@@ -1,0 +1,93 @@
+"""Least attained service within a priority level (issue 16): service classes by attained
+GPU-time, FIFO within a class, suspension only of jobs in a higher class, a quantum that grows
+with attained service, promotion of starved jobs, and explanations in those terms."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hai.domain.scheduler import SuspendCode, schedule
+from scheduler_builders import cluster, job, policy
+
+NOW = 100_000.0
+CLASSES = (1000.0, 10_000.0, 100_000.0)  # GPU-seconds
+LAS = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False)
+
+
+def one_node():
+    return cluster().zone("A", leaves=1, nodes_per_leaf=1)
+
+
+def test_a_newcomer_suspends_a_job_of_its_priority_with_more_attained_service():
+    # the running job has 8 GPUs x 2 h = 57,600 GPU-s (class 2); the newcomer has none (class 0)
+    c = one_node().run(job("long").started(NOW - 7200).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), LAS, NOW)
+    assert [s.job_id for s in d.suspends] == [c.id_of("long")]
+    s = d.suspends[0]
+    assert s.code == SuspendCode.TIME_SHARING and s.for_job_id == c.id_of("short")
+    assert "16.0 GPU-hours (service class 2, demoted after 2.8 GPU-hours)" in s.reason
+    assert "least attained service goes first" in s.reason
+    assert "job(s) with more attained service" in d.pending_reasons[c.id_of("short")]
+
+
+def test_no_suspension_without_service_classes_or_within_a_class_or_before_the_minimum_runtime():
+    base = one_node().run(job("long").started(NOW - 7200).user("bob"))
+    q = job("short").submitted(NOW - 5)
+    # off (the default): FIFO levels, no suspension for a same-priority job before the threshold
+    assert schedule(base.queue(q).snapshot(), policy(time_sharing=False), NOW).suspends == []
+    # the waiting job is in the same class (it attained 60,000 GPU-s earlier): it waits
+    c = one_node().run(job("long").started(NOW - 7200).user("bob"))
+    d = schedule(c.queue(job("w").submitted(NOW - 5).attained(60_000)).snapshot(), LAS, NOW)
+    assert d.suspends == []
+    # the running job is within its minimum runtime (900 s): it keeps its GPUs
+    c = one_node().run(job("long").started(NOW - 600).attained(200_000).user("bob"))
+    assert schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), LAS, NOW).suspends == []
+
+
+def test_queue_by_class_then_fifo_and_the_reason_says_so():
+    # two waiting jobs on a full node held by a job within its minimum runtime: the later job with
+    # less attained service goes first; the earlier one waits behind it, demoted to class 1
+    c = one_node().run(job("r").started(NOW - 60).user("bob"))
+    c.queue(job("old").submitted(NOW - 5000).attained(5000), job("new").submitted(NOW - 10))
+    d = schedule(c.snapshot(), LAS, NOW)
+    reason = d.pending_reasons[c.id_of("old")]
+    assert "waits behind 1 job(s) with less attained service" in reason
+    assert "(service class 1: demoted after 0.3 GPU-hours of attained service)" in reason
+    assert "(service class 0: least attained service)" in d.pending_reasons[c.id_of("new")]
+    # when the node frees, the newer job with less attained service starts first
+    c2 = one_node().queue(job("old").submitted(NOW - 5000).attained(5000), job("new").submitted(NOW - 10))
+    d2 = schedule(c2.snapshot(), LAS, NOW)
+    assert [s.job_id for s in d2.starts] == [c2.id_of("new")]
+
+
+def test_priorities_still_dominate_attained_service():
+    c = one_node().queue(job("n").submitted(NOW - 10), job("h").priority("HIGH").submitted(NOW).attained(10**7))
+    d = schedule(c.snapshot(), LAS, NOW)
+    assert [s.job_id for s in d.starts] == [c.id_of("h")]
+    # and a LOW newcomer never suspends a NORMAL job by attained service
+    c = one_node().run(job("long").started(NOW - 7200).user("bob"))
+    assert schedule(c.queue(job("low").priority("LOW").submitted(NOW)).snapshot(), LAS, NOW).suspends == []
+
+
+def test_the_quantum_grows_with_attained_service():
+    # resumed 1 h ago with 80,000 GPU-s attained over 8 GPUs (10,000 s): with a factor of 0.5 it
+    # may be suspended only after 5,000 s of this attempt, then it may
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, service_quantum_factor=0.5)
+    for ran, suspended in ((3600, False), (5100, True)):
+        c = one_node().run(job("long").started(NOW - ran).attained(80_000).user("bob"))
+        d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+        assert bool(d.suspends) is suspended, ran
+
+
+def test_a_starved_job_is_promoted_to_class_zero():
+    # 20,000 GPU-s attained over 8 GPUs = 2,500 s executed; with factor 2 it is promoted after
+    # waiting 5,000 s and then goes before a newer class-0 job
+    pol = policy(service_classes_gpu_s=CLASSES, time_sharing=False, starvation_factor=2.0)
+    for waited, first in ((4000, "new"), (5001, "old")):
+        c = one_node().queue(
+            job("old").submitted(NOW - 10**5).queued_at(NOW - waited).attained(20_000), job("new").submitted(NOW - 1)
+        )
+        d = schedule(c.snapshot(), pol, NOW)
+        assert [s.job_id for s in d.starts] == [c.id_of(first)], waited
