@@ -66,7 +66,7 @@ _JOB_COLUMNS = (
     Job.id, Job.user_name, Job.group, Job.priority, Job.submitted_priority, Job.nodes, Job.gpus_per_node,
     Job.created_at, Job.allow_cross_zone, Job.state, Job.user_suspended, Job.queued_at, Job.suspensions,
     Job.reserved_nodes, Job.last_checkpoint, Job.attempt_started_at, Job.suspend_for_job_id, Job.attempt,
-    Job.pending_reason,
+    Job.pending_reason, Job.run_s,
 )
 
 
