@@ -20,9 +20,9 @@ class RecordingLoop(SchedulerLoop):
         super().__init__(platform)
         self.results: list[tuple[float, CycleResult]] = []  # (monotonic start, result)
 
-    def cycle_once(self) -> CycleResult:
+    def cycle_once(self, lease=None) -> CycleResult:  # noqa: ANN001
         t0 = time.monotonic()
-        result = super().cycle_once()
+        result = super().cycle_once(lease)
         self.results.append((t0, result))
         return result
 
