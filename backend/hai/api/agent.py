@@ -34,7 +34,9 @@ async def heartbeat(hb: Heartbeat, platform: PlatformDep, _agent: AgentPrincipal
     reply = await run_in_threadpool(_apply)
     if hb.wait_s <= 0 or reply.reregister or reply.assignments_digest != hb.assignments_digest:
         return reply
-    if not await platform.notifier.wait_async(topic, since, hb.wait_s):
+    # a held poll does not refresh the node's last heartbeat: hold it well inside lost_after_s
+    wait_s = min(hb.wait_s, platform.settings.agent.lost_after_s / 3)
+    if not await platform.notifier.wait_async(topic, since, wait_s):
         return reply
 
     def _current() -> ServerReply:

@@ -175,6 +175,10 @@ class ServerReply(_Msg):
     reregister: bool = False  # the server does not know this node: send AgentHello again
     # issue 10: validator runs the server waits for (each run id is run once by the agent)
     validations: list["ValidationRequest"] = Field(default_factory=list)
+    # issue 13 (optional, older agents ignore it): the server gives a node's work away once its
+    # agent has been silent this long; the agent fences itself before that (its ranks stop once
+    # it has not reached the server for most of this time), so no job runs twice.
+    lost_after_s: float | None = None
 
 
 class LogLine(_Msg):
