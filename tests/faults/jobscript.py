@@ -61,7 +61,7 @@ def checkpoint() -> None:
     ckdir = sdk.checkpoint_dir()
     if not ckdir or RANK != 0:
         return
-    path = os.path.join(ckdir, f"ckpt-{ATTEMPT}-{done:.2f}.json")
+    path = os.path.join(ckdir, f"ckpt-{ATTEMPT:03d}-{done:08.2f}.json")
     try:
         with open(path, "w") as f:
             json.dump({"done": done}, f)

@@ -8,8 +8,10 @@ every fault:
 - no GPU is held by two active allocations at any moment;
 - a job ends ``failed`` only by its own exit code, its watchdog or its runtime limit (the job
   ids the harness expects to fail, with their exit codes);
-- every suspension resumes from the last reported checkpoint (the jobs' own marks: an attempt
-  that resumes names the last checkpoint any earlier attempt reported);
+- every suspension resumes from the last reported checkpoint: the monitor records each
+  checkpoint the platform holds for a job (``jobs.last_checkpoint``) as it appears; an attempt
+  (the job's own start mark) resumes from the last one recorded before it started — a checkpoint
+  a job wrote while its agent was cut off never reached the platform, and does not count;
 - no two copies of a job's rank 0 run at the same time (the jobs' start/tick/stop marks: each
   copy's interval is from its start to its last mark).
 
@@ -60,6 +62,7 @@ class InvariantMonitor:
                                     connect_args={"connect_timeout": 3})
         self.period_s = period_s
         self.report = Report()
+        self.checkpoints: dict[int, list[tuple[float, str]]] = defaultdict(list)  # job -> (first seen, path)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="invariant-monitor", daemon=True)
 
@@ -88,6 +91,15 @@ class InvariantMonitor:
         with self.engine.connect() as conn:
             rows = conn.execute(text(
                 "SELECT job_id, attempt, node_name, node_rank, gpus FROM job_allocations WHERE active")).all()
+            ckpts = conn.execute(text(
+                "SELECT id, last_checkpoint FROM jobs WHERE last_checkpoint IS NOT NULL "
+                "AND state NOT IN ('succeeded', 'failed', 'cancelled')")).all()
+        now = time.time()
+        for job_id, ck in ckpts:
+            path = (ck or {}).get("path")
+            seen = self.checkpoints[job_id]
+            if path and (not seen or seen[-1][1] != path):
+                seen.append((now, path))
         held: dict[tuple[str, int], list] = defaultdict(list)
         slots: dict[tuple[int, int, int], list] = defaultdict(list)
         for job_id, attempt, node, node_rank, gpus in rows:
@@ -139,26 +151,35 @@ class InvariantMonitor:
         r.states = dict(states)
         if len(set(accepted)) != len(accepted):
             r.terminal_twice.append("an accepted submission was answered with the id of another")
-        r.bad_resumes.extend(check_resumes(marks))
+        r.bad_resumes.extend(check_resumes(marks, self.checkpoints))
         r.rank0_overlaps.extend(rank0_overlaps(marks))
         self.engine.dispose()
         return r
 
 
-def check_resumes(marks: list[dict]) -> list[str]:
-    """Every attempt that starts after a checkpoint was reported resumes from the last one."""
+def check_resumes(marks: list[dict], observed: dict[int, list[tuple[float, str]]]) -> list[str]:
+    """Each attempt's start resumes from the last checkpoint the platform held for the job
+    before it started (``observed``: the checkpoints the monitor saw appear, in order). A
+    checkpoint the job wrote but the platform never learned of is not one (the agent was cut
+    off). Sampling may miss a checkpoint that came and went between two readings: the resume
+    must then be one the job reported, and no older than the last one seen."""
     bad = []
-    last_ckpt: dict[int, tuple[float, str]] = {}
-    for m in sorted(marks, key=lambda m: m["t"]):
-        if m["rank"] != 0:
+    reported = {(m["job"], m["path"]) for m in marks if m["ev"] == "ckpt"}
+    for m in marks:
+        if m["ev"] != "start" or m["rank"] != 0 or m["attempt"] <= 1:
             continue
-        if m["ev"] == "ckpt":
-            last_ckpt[m["job"]] = (m["t"], m["path"])
-        elif m["ev"] == "start" and m["job"] in last_ckpt:
-            want = last_ckpt[m["job"]][1]
-            if m.get("resume_from") != want:
-                bad.append(f"job {m['job']} attempt {m['attempt']} resumed from {m.get('resume_from')}, "
-                           f"last checkpoint {want}")
+        job, got = m["job"], m.get("resume_from")
+        before = [p for t, p in observed.get(job, []) if t < m["t"]]
+        seen = [p for _, p in observed.get(job, [])]
+        if not before:
+            if got is not None and (job, got) not in reported:
+                bad.append(f"job {job} attempt {m['attempt']} resumed from {got}, which it never wrote")
+            continue
+        want = before[-1]
+        if got == want:
+            continue
+        if got is None or (job, got) not in reported or (got in seen and seen.index(got) < seen.index(want)):
+            bad.append(f"job {job} attempt {m['attempt']} resumed from {got}, last checkpoint {want}")
     return bad
 
 

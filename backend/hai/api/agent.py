@@ -34,8 +34,8 @@ async def heartbeat(hb: Heartbeat, platform: PlatformDep, _agent: AgentPrincipal
     reply = await run_in_threadpool(_apply)
     if hb.wait_s <= 0 or reply.reregister or reply.assignments_digest != hb.assignments_digest:
         return reply
-    # a held poll does not refresh the node's last heartbeat: hold it well inside lost_after_s
-    wait_s = min(hb.wait_s, platform.settings.agent.lost_after_s / 3)
+    # a held poll does not refresh the node's last heartbeat: hold it well inside lost_after_s (the agent fences itself at 3/4 of it)
+    wait_s = min(hb.wait_s, platform.settings.agent.lost_after_s / 4)
     if not await platform.notifier.wait_async(topic, since, wait_s):
         return reply
 
