@@ -245,7 +245,9 @@ class Cluster:
                            env, self.tmp / "worker.log", self.tmp)
         self.agents: dict[str, Proc] = {}
         for i, (name, gpus) in enumerate(self.nodes):
-            server = f"http://127.0.0.1:{self.ports[i % len(self.ports)]}"
+            # its own server first, the others after it (the agent moves on when one is down)
+            order = [self.ports[(i + k) % len(self.ports)] for k in range(len(self.ports))]
+            server = ",".join(f"http://127.0.0.1:{p}" for p in order)
             self.agents[name] = Proc(
                 f"agent-{name}",
                 [py, "-m", "hai.cli.main", "agent", "--server", server, "--token", self.agent_token, "--node", name,
@@ -393,8 +395,12 @@ class Cluster:
                     if j["state"] in ("succeeded", "failed", "cancelled"):
                         done[jid] = j
             return len(done) == len(job_ids)
-        wait_for(all_done, timeout=timeout, interval=0.5,
-                 what=f"jobs to end ({len(job_ids) - len(done)} of {len(job_ids)} still going)")
+        try:
+            wait_for(all_done, timeout=timeout, interval=0.5, what="jobs to end")
+        except AssertionError:
+            going = {jid: (j := self.job(jid))["state"] + ": " + (j.get("pending_reason") or "")
+                     for jid in job_ids if jid not in done}
+            raise AssertionError(f"{len(going)} of {len(job_ids)} jobs did not end: {going}") from None
         return done
 
     def read_marks(self) -> list[dict]:

@@ -5,8 +5,8 @@ attempt, rank, the checkpoint it resumes from), ``tick`` every 0.2 s while it ru
 each checkpoint it reported, ``stop`` when it ends. With ``--checkpoint-every S`` it saves its
 progress through the SDK every S seconds of work and on a suspend request (then says
 suspend_ready and waits to be stopped); a resumed attempt continues from the checkpoint's
-progress. A checkpoint that cannot be written (disk full) is caught as the SDK's error and
-logged; the job goes on without it.
+progress. A checkpoint that cannot be written (disk full) is caught as the SDK's ``StorageFull``
+(``with sdk.storage(path)``: the platform is told); the job goes on without it.
 """
 
 from __future__ import annotations
@@ -63,13 +63,17 @@ def checkpoint() -> None:
         return
     path = os.path.join(ckdir, f"ckpt-{ATTEMPT:03d}-{done:08.2f}.json")
     try:
-        with open(path, "w") as f:
+        with sdk.storage(path), open(path, "w") as f:
             json.dump({"done": done}, f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:  # ENOSPC: the job is told, and goes on without this checkpoint
-        print(f"checkpoint {path} could not be written: {e}", file=sys.stderr, flush=True)
+    except sdk.StorageFull as e:  # the disk is full: the platform knows; go on without this one
+        print(f"checkpoint skipped: {e}", file=sys.stderr, flush=True)
         mark("ckpt_failed", error=str(e))
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
         return
     sdk.report_checkpoint(path, step=int(done * 10))
     mark("ckpt", path=path, done=done)

@@ -4,8 +4,17 @@ invariant monitor (monitor.py) reads the database throughout; each test ends wit
 
 from __future__ import annotations
 
+import errno
+import os
+import subprocess
+
+import pytest
+
 from tests.faults.cluster import wait_for
 from tests.faults.crashloop import run_crash_loop
+
+# whole clusters on a loaded VM: generous limits (each test synchronises on conditions)
+pytestmark = pytest.mark.timeout(600)
 
 FAST = {"HAI_AGENT__LOST_AFTER_S": "12", "HAI_AGENT__HEARTBEAT_INTERVAL_S": "0.5"}
 
@@ -162,6 +171,7 @@ def test_redis_outage_falls_back_to_polling(make_cluster, monitor_for, throwaway
     _end(cluster, monitor)
 
 
+@pytest.mark.timeout(900)
 def test_small_crash_loop_loses_nothing(make_cluster):
     cluster = make_cluster(settings=FAST, servers=2, nodes=[("n0", 4), ("n1", 4), ("n2", 4), ("n3", 4)])
     result = run_crash_loop(cluster, jobs=50, kills=10, seed=13, drain_timeout_s=600, submit_rate_hz=5)
@@ -179,3 +189,41 @@ def test_api_maps_only_unavailability_to_503():
 
     assert database_unavailable(OperationalError("SELECT 1", {}, Exception("connection refused")))
     assert not database_unavailable(IntegrityError("INSERT", {}, Exception("duplicate key")))
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_checkpoint_disk_is_told_to_the_job_and_reported(make_cluster, monitor_for):
+    """The checkpoint folder's filesystem fills up mid-run (a small tmpfs, filled by the test):
+    the job's next checkpoint raises the SDK's StorageFull, which it handles (goes on without
+    it); the agent keeps running; the platform records it as a job event."""
+    cluster = make_cluster(settings={**FAST, "HAI_AGENT__LOST_AFTER_S": "30"})
+    if os.geteuid() != 0 or not _mount_tmpfs(cluster.checkpoints, "512k"):
+        pytest.skip("needs root to mount a small tmpfs (a full filesystem of the test's own)")
+    try:
+        monitor = monitor_for(cluster)
+        jid = cluster.submit(seconds=8, gpus_per_node=1, checkpoint_every=0.5, name="full-disk")
+        wait_for(lambda: any(m["job"] == jid and m["ev"] == "ckpt" for m in cluster.read_marks()), timeout=120,
+                 what="a first checkpoint")
+        filler = cluster.checkpoints / "filler"
+        with open(filler, "wb") as f:  # fill the filesystem
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        done = cluster.wait_terminal([jid], timeout=180)[jid]
+        assert done["state"] == "succeeded", done  # it handled the error and finished
+        failed = [m for m in cluster.read_marks() if m["job"] == jid and m["ev"] == "ckpt_failed"]
+        assert failed and "No space left" in failed[0]["error"]
+        notes = [e["reason"] for e in done["events"] if "storage full" in e["reason"]]
+        assert notes and "storage full on node" in notes[0] and "No space left" in notes[0], done["events"]
+        assert all(a.alive for a in cluster.agents.values())
+        _end(cluster, monitor)
+    finally:
+        subprocess.run(["umount", "-l", str(cluster.checkpoints)], capture_output=True)

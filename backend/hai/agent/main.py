@@ -158,7 +158,7 @@ class Agent:
         self.token = o.token
         self.node_name = o.node
         self.zone, self.leaf = o.zone, o.leaf
-        self.address = o.address or detect_address(o.server)
+        self.address = o.address or detect_address(o.server.split(",")[0].strip())
         self.wait_s = max(0.0, min(60.0, o.heartbeat_wait_s))
         self.stop = stop_event or threading.Event()
         self.stop_jobs_on_exit = o.stop_jobs_on_exit

@@ -103,7 +103,7 @@ def scheduler(
 
 @app.command()
 def agent(
-    server: Annotated[str, typer.Option(help="the API server's URL")],
+    server: Annotated[str, typer.Option(help="the API server's URL (or several, comma-separated: the agent moves to the next one when one is down)")],
     token: Annotated[str, typer.Option(envvar="HAI_AGENT_TOKEN", help="the node credential")],
     node: Annotated[str, typer.Option(help="this node's name")],
     zone: Annotated[str | None, typer.Option()] = None,

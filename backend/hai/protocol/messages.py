@@ -103,6 +103,9 @@ class AttemptStatus(_Msg):
     started_at: float | None = None  # epoch seconds when the ranks were launched
     finished_at: float | None = None  # epoch seconds when the last rank here ended
     suspend_requested_at: float | None = None  # when the agent delivered the suspend request
+    # issue 13: writes the job could not make for lack of space ("<path>: <error>"), as the SDK
+    # reported them (hai.sdk.StorageFull); the server records each once as a job event
+    storage_errors: list[str] = Field(default_factory=list)
 
 
 class AgentHello(_Msg):
