@@ -209,14 +209,13 @@ def test_full_checkpoint_disk_is_told_to_the_job_and_reported(make_cluster, moni
         jid = cluster.submit(seconds=8, gpus_per_node=1, checkpoint_every=0.5, name="full-disk")
         wait_for(lambda: any(m["job"] == jid and m["ev"] == "ckpt" for m in cluster.read_marks()), timeout=120,
                  what="a first checkpoint")
-        filler = cluster.checkpoints / "filler"
-        with open(filler, "wb") as f:  # fill the filesystem
-            try:
+        try:  # fill the filesystem (the job's checkpoints may have filled it already)
+            with open(cluster.checkpoints / "filler", "wb") as f:
                 while True:
                     f.write(b"\0" * 65536)
                     f.flush()
-            except OSError as e:
-                assert e.errno == errno.ENOSPC
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
         done = cluster.wait_terminal([jid], timeout=180)[jid]
         assert done["state"] == "succeeded", done  # it handled the error and finished
         failed = [m for m in cluster.read_marks() if m["job"] == jid and m["ev"] == "ckpt_failed"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -69,6 +70,20 @@ def server(
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
+    from sqlalchemy.exc import IntegrityError
+
+    # issue 13: replicas starting at once race to create the same bootstrap rows; the loser
+    # finds them made by the winner on its next try
+    for attempt in range(5):
+        try:
+            return _bootstrap_once(platform, topology)
+        except IntegrityError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _bootstrap_once(platform, topology: Path | None) -> None:  # noqa: ANN001
     from hai.services import auth
     from hai.services import nodes as node_service
 
