@@ -227,7 +227,13 @@ def main(argv: list[str]) -> int:
                 fenced_at, fence_grace = now, grace
                 print(f"[hai] the agent has not reached the server in time (lease {lease_file} ran out): "
                       "stopping this rank so that it never runs twice", file=sys.stderr, flush=True)
-                _signal_group(me, signal.SIGTERM)
+                if os.getpgrp() == me:  # as the agent starts us: our group is the rank's
+                    _signal_group(me, signal.SIGTERM)
+                else:
+                    try:
+                        os.kill(child.pid, signal.SIGTERM)
+                    except OSError:
+                        pass
         elif not killed and now - fenced_at >= fence_grace:
             killed = True
             for left in _leftovers(me):  # not the group: it holds this wrapper too
