@@ -95,3 +95,61 @@ def live_server(pg_url: str, tmp_path: Path):  # noqa: F811
     server.migrate()
     yield server
     server.kill()
+
+
+# ---------------------------------------------------------------------- issue 13: fault cluster
+# PostgreSQL and Redis of this module's own (started here; a test may stop them), one fresh
+# database and Redis db per test, and a Cluster of real processes on them (tests/faults/cluster.py).
+
+from tests.faults.cluster import Cluster, ThrowawayPostgres, ThrowawayRedis  # noqa: E402
+from tests.faults.monitor import InvariantMonitor  # noqa: E402
+
+_redis_dbs = iter(range(1, 16))
+
+
+@pytest.fixture(scope="session")
+def throwaway_services(tmp_path_factory):
+    root = tmp_path_factory.mktemp("services")
+    pg = ThrowawayPostgres()
+    rd = ThrowawayRedis(root / "redis")
+    yield pg, rd
+    pg.close()
+    rd.close()
+
+
+@pytest.fixture
+def make_cluster(throwaway_services, tmp_path):
+    """``make_cluster(**kw)``: a started Cluster on a fresh database of the throwaway server."""
+    pg, rd = throwaway_services
+    made = []
+
+    def make(**kw) -> Cluster:
+        import psycopg
+
+        name = f"f{secrets.token_hex(4)}"
+        with psycopg.connect(f"host=127.0.0.1 port={pg.port} user=postgres dbname=hai", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        db_url = pg.url.rsplit("/", 1)[0] + "/" + name
+        redis_url = rd.url.rsplit("/", 1)[0] + f"/{next(_redis_dbs)}"
+        cluster = Cluster(tmp=tmp_path / f"cluster{len(made)}", db_url=db_url, redis_url=redis_url, **kw)
+        made.append(cluster)
+        cluster.start()
+        return cluster
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def monitor_for():
+    made = []
+
+    def make(cluster: Cluster) -> InvariantMonitor:
+        m = InvariantMonitor(cluster.db_url).__enter__()
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.stop()

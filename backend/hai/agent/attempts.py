@@ -104,6 +104,7 @@ class Attempt:
     finished: bool = False
     checkpoint: CheckpointInfo | None = None
     progress: ProgressInfo | None = None
+    storage_errors: list[str] = field(default_factory=list)  # issue 13: the SDK's StorageFull reports
     # not persisted
     assigned: DesiredAction | str | None = "unknown"  # the action of the last applied reply; None: not assigned
     final_reported: bool = False
@@ -166,6 +167,7 @@ class Attempt:
             stopped_reason=self.stopped_reason, checkpoint=self.checkpoint, progress=self.progress,
             finished=self.finished, stop_cause=self.stop_cause, started_at=self.started_at,
             finished_at=self.finished_at, suspend_requested_at=self.suspend_requested_at,
+            storage_errors=list(self.storage_errors),
         )
 
     def to_json(self) -> dict:
@@ -176,6 +178,7 @@ class Attempt:
             "suspend_requested_at": self.suspend_requested_at, "ready_at": self.ready_at,
             "stop_cause": self.stop_cause, "stopped_reason": self.stopped_reason,
             "term_sent_at": self.term_sent_at, "kill_sent": self.kill_sent, "finished": self.finished,
+            "storage_errors": self.storage_errors,
         }
 
     @classmethod
@@ -188,6 +191,7 @@ class Attempt:
             ready_at=d.get("ready_at"), stop_cause=_cause(d.get("stop_cause")),
             stopped_reason=d.get("stopped_reason"), term_sent_at=d.get("term_sent_at"),
             kill_sent=d.get("kill_sent", False), finished=d.get("finished", False),
+            storage_errors=list(d.get("storage_errors") or []),
         )
 
 
@@ -360,6 +364,11 @@ def _apply_event(att: Attempt, ev: dict, *, now: float) -> tuple[bool, bool]:
             if att.progress is None or pr.at >= att.progress.at:
                 att.progress = pr
                 return False, True  # not urgent: reported within the agent's status refresh period
+        elif kind == "storage_full":  # issue 13: the last few, each once
+            msg = f"{ev['path']}: {ev.get('error', '')}"[:600]
+            if msg not in att.storage_errors:
+                att.storage_errors = [*att.storage_errors, msg][-5:]
+                return True, False
         elif kind == "suspend_ready":
             rank = int(ev.get("rank", 0))
             for r in att.ranks:

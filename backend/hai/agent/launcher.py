@@ -184,13 +184,17 @@ def check_executable(argv0: str, env: dict[str, str], cwd: str | None) -> None:
 
 
 def spawn_rank(plan: RankPlan, *, cwd: str | None, stdout_path: str, stderr_path: str,
-               exit_path: str, pid_path: str, account: Account | None = None) -> RankProc:
+               exit_path: str, pid_path: str, account: Account | None = None,
+               lease_path: str | None = None) -> RankProc:
     """Start the rank under the wrapper as a new session (its own process group). With an
-    ``account`` the wrapper (the agent's user) runs the command under that Unix account."""
+    ``account`` the wrapper (the agent's user) runs the command under that Unix account.
+    ``lease_path``: the agent's lease (rankwrap.py: the rank stops itself once it has run out)."""
     argv = [sys.executable, "-I", "-S", RANKWRAP, "--exit-file", exit_path, "--pid-file", pid_path]
     if account is not None:
         argv += ["--uid", str(account.uid), "--gid", str(account.gid),
                  "--groups", ",".join(str(g) for g in account.groups)]
+    if lease_path:
+        argv += ["--lease", lease_path]
     if plan.cpus:
         argv += ["--cpus", ",".join(str(c) for c in plan.cpus)]
     argv += ["--", *plan.argv]

@@ -75,6 +75,16 @@ class Backoff:
         self.n = 0
 
 
+def fence_lease(*, sent_at: float, lost_after_s: float) -> dict[str, float]:
+    """The lease a successful exchange buys (issue 13). The server marks the node lost, and gives
+    its jobs to other nodes, once it has heard nothing for ``lost_after_s`` since it received a
+    request (no earlier than ``sent_at``). The ranks must be gone by then: they stop themselves
+    (SIGTERM) ``margin`` before that, and are killed ``margin/2`` later, margin being a quarter
+    of ``lost_after_s`` (at least 1 s). Wall-clock times: the rank wrappers read them."""
+    margin = max(1.0, 0.25 * lost_after_s)
+    return {"valid_until": sent_at + max(0.5, lost_after_s - margin), "grace_s": margin / 2}
+
+
 @dataclass
 class _Result:
     seq: int
@@ -150,7 +160,7 @@ class Agent:
         self.token = o.token
         self.node_name = o.node
         self.zone, self.leaf = o.zone, o.leaf
-        self.address = o.address or detect_address(o.server)
+        self.address = o.address or detect_address(o.server.split(",")[0].strip())
         self.wait_s = max(0.0, min(60.0, o.heartbeat_wait_s))
         self.stop = stop_event or threading.Event()
         self.stop_jobs_on_exit = o.stop_jobs_on_exit
@@ -258,6 +268,8 @@ class Agent:
             log.info("the server asks this node to register again")
             self.registered = False
             return None
+        if reply.lost_after_s:  # issue 13: fence before the server gives this node's work away
+            self.node.renew_lease(**fence_lease(sent_at=res.sent_at, lost_after_s=reply.lost_after_s))
         if res.seq > self.last_applied_seq:
             self.last_applied_seq = res.seq
             self.digest = reply.assignments_digest

@@ -11,6 +11,7 @@ only touches the tail state (guarded by ``self._tail_lock``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -67,6 +68,14 @@ class NodeAgent:
         self.pending: dict[Key, Assignment] = {}  # waiting for their GPUs to be free
         self.ghosts: dict[Key, AttemptStatus] = {}  # forgotten but assigned again
         self.launches = 0  # attempts launched by this agent process (tests: never twice)
+        # issue 13: the lease every rank wrapper reads (rankwrap.py --lease): renewed each time
+        # the agent reaches the server; once it runs out, the ranks stop themselves
+        self.lease_path = self.state_dir / "lease.json"
+
+    def renew_lease(self, *, valid_until: float, grace_s: float) -> None:
+        tmp = self.lease_path.with_name(f"lease.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"valid_until": valid_until, "grace_s": grace_s}))
+        os.replace(tmp, self.lease_path)
 
     # ------------------------------------------------------------------ recovery
 
@@ -219,6 +228,7 @@ class NodeAgent:
                     stderr_path=str(att.rank_path(r.rank, "stderr")),
                     exit_path=str(att.rank_path(r.rank, "exit")), pid_path=str(att.rank_path(r.rank, "pid")),
                     account=account,
+                    lease_path=str(self.lease_path),
                 )
             except OSError as e:
                 att.launch_error = f"rank {r.rank} could not be started: {e}"

@@ -14,6 +14,13 @@ exit files and reattach — no second launch, no orphan.
   ends, whatever is left of its process group or below the wrapper is killed (no process left
   behind) before the wrapper exits with the command's exit code.
 - ``--cpus`` binds the command to those CPUs (sched_setaffinity, inherited by the child).
+- ``--lease F`` (issue 13, fencing): F is the agent's lease, ``{"valid_until": EPOCH, "grace_s": G}``,
+  renewed by the agent each time it reaches the server. Once it has run out (the agent has not
+  reached the server for long enough that the server is about to give this node's work away; or
+  the agent is frozen, or partitioned), the wrapper stops the command itself: SIGTERM to its
+  group, SIGKILL after G seconds, and records ``"fenced": true`` — so a job given to another node
+  never runs twice. No lease file (an agent that never reached a server that sends the limit):
+  no fencing.
 
 Exit codes follow the shell convention: 128 + N when the command was killed by signal N, 127 when
 it could not be found, 126 when it could not be executed.
@@ -116,8 +123,29 @@ def _cleanup(me: int) -> None:
     _reap_all()
 
 
+def _lease_expired(path: str | None, now: float) -> float | None:
+    """The grace period to use when the lease at ``path`` has run out, else None."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            lease = json.load(f)
+        if now > float(lease["valid_until"]):
+            return max(0.0, float(lease.get("grace_s", 1.0)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
-    exit_file = pid_file = None
+    exit_file = pid_file = lease_file = None
     cpus: list[int] | None = None
     uid = gid = None
     groups: list[int] = []
@@ -132,6 +160,9 @@ def main(argv: list[str]) -> int:
             i += 2
         elif a == "--pid-file":
             pid_file = argv[i + 1]
+            i += 2
+        elif a == "--lease":
+            lease_file = argv[i + 1]
             i += 2
         elif a == "--cpus":
             cpus = [int(c) for c in argv[i + 1].split(",") if c]
@@ -191,17 +222,46 @@ def main(argv: list[str]) -> int:
             pass
 
     status = None
+    fenced_at: float | None = None
+    killed = False
     while status is None:
         try:
-            pid, st = os.waitpid(-1, 0)
+            pid, st = os.waitpid(-1, os.WNOHANG if lease_file else 0)
         except ChildProcessError:  # pragma: no cover - the child is ours, cannot happen
             break
         if pid == child.pid:
             status = st
+            continue
+        if pid != 0 or not lease_file:
+            continue
+        now = time.time()
+        if fenced_at is None:
+            grace = _lease_expired(lease_file, now)
+            if grace is not None:
+                fenced_at, fence_grace = now, grace
+                print(f"[hai] the agent has not reached the server in time (lease {lease_file} ran out): "
+                      "stopping this rank so that it never runs twice", file=sys.stderr, flush=True)
+                if os.getpgrp() == me:  # as the agent starts us: our group is the rank's
+                    _signal_group(me, signal.SIGTERM)
+                else:
+                    try:
+                        os.kill(child.pid, signal.SIGTERM)
+                    except OSError:
+                        pass
+        elif not killed and now - fenced_at >= fence_grace:
+            killed = True
+            for left in _leftovers(me):  # not the group: it holds this wrapper too
+                try:
+                    os.kill(left, signal.SIGKILL)
+                except OSError:
+                    pass
+        time.sleep(0.05 if fenced_at is not None else 0.25)
     child.returncode = 0  # reaped by hand above; keep Popen from waiting again
     rc = os.waitstatus_to_exitcode(status) if status is not None else 1
     code = 128 - rc if rc < 0 else rc
     record = {"exit_code": code, "at": time.time()}
+    if fenced_at is not None:
+        record["fenced"] = True
     if rc < 0:
         record["signal"] = -rc
     _write_atomic(exit_file, record)

@@ -65,8 +65,9 @@ async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _age
         with platform.sessions() as session:
             return agent_service.current_reply(session=session, node_name=hb.node, settings=platform.settings)
 
-    notifier = platform.notifier
-    deadline = time.monotonic() + hb.wait_s
+    # a held poll does not refresh the node's last heartbeat: hold it well inside lost_after_s
+    # (the agent fences itself at 3/4 of it)
+    deadline = time.monotonic() + min(hb.wait_s, platform.settings.agent.lost_after_s / 4)
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -2,13 +2,43 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from hai.services.errors import ChecksFailed, Invalid, ServiceError, TooMany, Unauthorized
 
 
+log = logging.getLogger(__name__)
+
+DB_UNAVAILABLE = "the database is unavailable; nothing was changed by this request; retry shortly"
+DB_RETRY_AFTER_S = 5
+
+
+def database_unavailable(exc: Exception) -> bool:
+    """The database cannot be reached (down, restarting, connection dropped, pool exhausted),
+    as opposed to a bug in a query."""
+    if isinstance(exc, (OperationalError, PoolTimeout)):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
 def install(app: FastAPI) -> None:
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(PoolTimeout)
+    async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+        # issue 13: the database away (restarted, failed over) is a 503 with a clear message and
+        # Retry-After, never a 500 with a traceback; the transaction was rolled back
+        if not database_unavailable(exc):
+            raise exc
+        log.warning("database unavailable during %s %s: %s", request.method, request.url.path,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return JSONResponse({"detail": DB_UNAVAILABLE}, status_code=503,
+                            headers={"Retry-After": str(DB_RETRY_AFTER_S)})
+
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
         if isinstance(exc, Invalid):

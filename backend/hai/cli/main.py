@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -88,6 +89,20 @@ def server(
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
+    from sqlalchemy.exc import IntegrityError
+
+    # issue 13: replicas starting at once race to create the same bootstrap rows; the loser
+    # finds them made by the winner on its next try
+    for attempt in range(5):
+        try:
+            return _bootstrap_once(platform, topology)
+        except IntegrityError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _bootstrap_once(platform, topology: Path | None) -> None:  # noqa: ANN001
     from hai.services import auth
     from hai.services import nodes as node_service
 
@@ -122,7 +137,7 @@ def scheduler(
 
 @app.command()
 def agent(
-    server: Annotated[str, typer.Option(help="the API server's URL")],
+    server: Annotated[str, typer.Option(help="the API server's URL (or several, comma-separated: the agent moves to the next one when one is down)")],
     token: Annotated[str, typer.Option(envvar="HAI_AGENT_TOKEN", help="the node credential")],
     node: Annotated[str, typer.Option(help="this node's name")],
     zone: Annotated[str | None, typer.Option()] = None,

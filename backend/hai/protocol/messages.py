@@ -144,6 +144,9 @@ class AttemptStatus(_Msg):
     started_at: float | None = None  # epoch seconds when the ranks were launched
     finished_at: float | None = None  # epoch seconds when the last rank here ended
     suspend_requested_at: float | None = None  # when the agent delivered the suspend request
+    # issue 13: writes the job could not make for lack of space ("<path>: <error>"), as the SDK
+    # reported them (hai.sdk.StorageFull); the server records each once as a job event
+    storage_errors: list[str] = Field(default_factory=list)
 
 
 class AgentHello(_Msg):
@@ -216,6 +219,10 @@ class ServerReply(_Msg):
     reregister: bool = False  # the server does not know this node: send AgentHello again
     # issue 10: validator runs the server waits for (each run id is run once by the agent)
     validations: list["ValidationRequest"] = Field(default_factory=list)
+    # issue 13 (optional, older agents ignore it): the server gives a node's work away once its
+    # agent has been silent this long; the agent fences itself before that (its ranks stop once
+    # it has not reached the server for most of this time), so no job runs twice.
+    lost_after_s: float | None = None
 
 
 class LogLine(_Msg):

@@ -263,6 +263,9 @@ class CheckpointManager:
             if self.report:
                 core.report_checkpoint(path, step, duration_s=self.last_duration_s)
         except BaseException as e:  # surfaced by wait()
+            if isinstance(e, OSError) and e.errno in core._FULL_ERRNOS:  # issue 13: the platform is told
+                core.report_storage_full(path, e)
+                e = core.StorageFull(e.errno, f"no space left to write {path}: {e.strerror}", path)
             self._error = e
             try:
                 os.unlink(tmp)  # type: ignore[possibly-undefined]
@@ -279,13 +282,17 @@ class CheckpointManager:
                     pass
 
     def wait(self) -> str | None:
-        """Wait for the save in flight; returns the latest written path. Re-raises its error."""
+        """Wait for the save in flight; returns the latest written path. Re-raises its error:
+        :class:`hai.sdk.StorageFull` when the folder is full (the platform has been told), else
+        a RuntimeError."""
         t = self._thread
         if t is not None:
             t.join()
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, core.StorageFull):
+                raise e
             raise RuntimeError(f"checkpoint write failed: {e}") from e
         return self._last_path
 

@@ -15,6 +15,7 @@ Outside the platform (no HAI_CONTROL_DIR) every call is a harmless no-op.
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import sys
@@ -299,3 +300,47 @@ def report_progress(step: int, total: int | None = None, **metrics: float) -> No
         _state.progress_last_write = now
         _state.progress_pending = None
     _emit(ev)
+
+
+# ------------------------------------------------------------------ storage errors (issue 13)
+
+
+class StorageFull(OSError):
+    """A write to the job's checkpoint or log folder failed because its filesystem is full (or
+    over quota). The platform has been told (a job event); the job decides: skip this checkpoint
+    and go on, free space, or exit. Raised by :func:`storage` and by CheckpointManager.wait()."""
+
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def report_storage_full(path: str, error: BaseException | str) -> None:
+    """Tell the platform that writing ``path`` failed for lack of space (the node agent records
+    it as a job event). Called by :func:`storage`; a no-op outside the platform."""
+    try:
+        _emit({"type": "storage_full", "path": os.path.abspath(path), "error": str(error)[:500]})
+    except OSError:
+        pass  # the agent's folder is full too: the error still reaches the job
+
+
+@contextmanager
+def storage(path: str):
+    """Wrap writes under the job's checkpoint (or log) folder:
+
+        try:
+            with sdk.storage(path):
+                save(path)
+        except sdk.StorageFull:
+            ...  # the platform knows; skip this checkpoint, or free space
+
+    ENOSPC/EDQUOT becomes :class:`StorageFull` (the platform is told once per call); any other
+    error goes through unchanged."""
+    try:
+        yield
+    except StorageFull:
+        raise
+    except OSError as e:
+        if e.errno not in _FULL_ERRNOS:
+            raise
+        report_storage_full(path, e)
+        raise StorageFull(e.errno, f"no space left to write {path}: {e.strerror}", path) from e

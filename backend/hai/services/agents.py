@@ -127,6 +127,7 @@ def _reply(session: Session, node: Node, assignments: list[Assignment], settings
         assignments=assignments,
         assignments_digest=digest(assignments),
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
+        lost_after_s=settings.agent.lost_after_s,  # issue 13: the agent fences itself before this
         validations=node_health.pending_requests(session, node, runs=pending),  # issue 10
     )
 

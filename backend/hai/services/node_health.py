@@ -170,8 +170,10 @@ def pending_requests(session: Session, node: Node, *, now: datetime | None = Non
 def _store_report(run: ValidationRun, report: ValidationReport) -> list[dict]:
     checks = [c.model_dump(mode="json") for c in report.checks]
     run.checks = [
-        ValidationCheck(position=i, name=c["name"], level=c["level"], critical=c["critical"], status=c["status"],
-                        value=c.get("value"), threshold=c.get("threshold"), unit=c.get("unit") or "",
+        # issue 13: a name or unit longer than its column (64, 32) is cut, never a failed heartbeat
+        # (PostgreSQL refuses the insert, the agent re-sends the report: its node goes lost)
+        ValidationCheck(position=i, name=c["name"][:64], level=c["level"], critical=c["critical"], status=c["status"],
+                        value=c.get("value"), threshold=c.get("threshold"), unit=(c.get("unit") or "")[:32],
                         detail=c.get("detail") or "", duration_s=c.get("duration_s") or 0.0, data=c.get("data") or {})
         for i, c in enumerate(checks)
     ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy.orm import Session
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
 
 from hai.db.models import Job, JobAllocation
 from hai.domain import outcomes
@@ -20,7 +21,7 @@ from hai.domain.outcomes import AttemptReports, NodeReport, Outcome, RankReport,
 from hai.protocol import Assignment, AttemptStatus, DesiredAction
 from hai.services import node_health
 from hai.services.assignments import expected_ranks
-from hai.services.jobs import transition
+from hai.services.jobs import record_event, transition
 from hai.settings import get_settings
 
 
@@ -48,6 +49,16 @@ def attempt_reports(job: Job) -> AttemptReports:
     )
 
 
+def lock_jobs(session: Session, job_ids: list[int]) -> None:
+    """Lock these jobs' rows (in id order: no deadlock between two such transactions) and
+    reload them and their allocations as committed now (PostgreSQL; SQLite serialises writers)."""
+    session.flush()
+    session.scalars(
+        select(Job).where(Job.id.in_(sorted(job_ids))).order_by(Job.id).with_for_update()
+        .options(selectinload(Job.allocations)).execution_options(populate_existing=True)
+    ).all()
+
+
 def release(alloc: JobAllocation, now: datetime) -> None:
     """The allocation's GPUs are free again: inactive, and its ``gpu_holds`` rows deleted in
     the same transaction (the unique index over held GPUs admits them to another job)."""
@@ -62,18 +73,31 @@ def apply_reports(
     """Take in a node's report (every attempt it holds) against the node's active allocations
     ``allocs`` and judge the jobs it concerns. Returns the reported (job, attempt) keys."""
     active = {(a.job_id, a.attempt): a for a in allocs}
+    # issue 13: the nodes of a multi-node job report in concurrent transactions (several API
+    # servers, or threads); each judging the job from the others' last committed reports, none
+    # saw every rank exited and the job stayed running for ever (and "starting -> running" was
+    # written twice). A report that changes something locks its job first, then re-reads the
+    # job and its allocations: the second transaction waits for the first and sees its report.
+    changed = sorted({a.job_id for s in attempts if (a := active.get((s.job_id, s.attempt))) is not None
+                      and a.status != s.model_dump(mode="json")})
+    if changed:
+        lock_jobs(session, changed)
     touched: dict[int, Job] = {}
     reported = set()
     for status in attempts:
         key = (status.job_id, status.attempt)
         reported.add(key)
         alloc = active.get(key)
-        if alloc is None:
+        if alloc is None or not alloc.active:
             continue  # not ours any more: the agent stops what it is not assigned
         new = status.model_dump(mode="json")
         unchanged = new == alloc.status
+        before = set((alloc.status or {}).get("storage_errors") or [])
         alloc.status = new
         job = alloc.job
+        for msg in status.storage_errors:  # issue 13: a full disk, told by the SDK, as a job event
+            if msg not in before:
+                record_event(session, job, f"storage full on node {alloc.node_name}: {msg}", now=now)
         _absorb(job, status)
         if node_report(alloc, status).done_with(expected_ranks(job)):
             release(alloc, now)
@@ -102,6 +126,8 @@ def release_unreported_stops(
     gone = [alloc for alloc, a in assigned if a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported]
     if not gone:
         return assigned, False
+    lock_jobs(session, sorted({alloc.job_id for alloc in gone}))  # issue 13: as in apply_reports
+    gone = [alloc for alloc in gone if alloc.active]
     for alloc in gone:
         release(alloc, now)
     jobs = {alloc.job_id: alloc.job for alloc in gone}

@@ -70,7 +70,7 @@ def gpu_retired_pages(ctx: Context, c: Check) -> CheckResult:
                        + [f"GPU {i}: {n} page(s) retired for DBE" for i, n in retired.items()])
     # 60 DBE-retired pages is NVIDIA's replacement threshold
     value = len(pending) + sum(1 for n in retired.values() if n >= 60)
-    return c.at_most(value, 0, "GPUs with pending or excessive retirement", detail=detail, data={"retired": retired})
+    return c.at_most(value, 0, "GPUs: retirement pending/excess", detail=detail, data={"retired": retired})
 
 
 def gpu_remapped_rows(ctx: Context, c: Check) -> CheckResult:
@@ -80,7 +80,7 @@ def gpu_remapped_rows(ctx: Context, c: Check) -> CheckResult:
     bad = {i: r for i, r in rows.items() if r[1] or r[2]}
     detail = "; ".join(f"GPU {i}: " + ("remapping FAILED" if f else "remap pending (reset needed)")
                        for i, (_, p, f) in bad.items())
-    return c.at_most(len(bad), 0, "GPUs with pending or failed row remapping", detail=detail,
+    return c.at_most(len(bad), 0, "GPUs: row remap pending/failed", detail=detail,
                      data={"uncorrectable_rows": {str(i): r[0] for i, r in rows.items() if r[0]}})
 
 

@@ -631,6 +631,8 @@ export interface components {
             stop_cause?: components["schemas"]["StopCause"] | string | null;
             /** Stopped Reason */
             stopped_reason?: string | null;
+            /** Storage Errors */
+            storage_errors?: string[];
             /**
              * Suspend Ready
              * @default false
@@ -1417,6 +1419,8 @@ export interface components {
              * @default 1
              */
             heartbeat_interval_s: number;
+            /** Lost After S */
+            lost_after_s?: number | null;
             /** Node */
             node: string;
             /**

@@ -1,0 +1,103 @@
+"""Issue 13, node side: a full filesystem reaches the job as the SDK's StorageFull (and the
+agent as an event it reports); a rank whose agent lease ran out stops itself (rankwrap --lease).
+Real files and processes: /dev/full gives a real ENOSPC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hai import sdk
+from hai.agent.attempts import _apply_event
+from hai.agent.launcher import RANKWRAP
+from hai.agent.main import fence_lease
+from hai.sdk import core
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    d = tmp_path / "control"
+    d.mkdir()
+    monkeypatch.setenv("HAI_CONTROL_DIR", str(d))
+    core._reset()
+    yield d
+    core._reset()
+
+
+def test_a_full_filesystem_is_a_storage_full_the_job_can_handle_and_the_agent_is_told(control):
+    with pytest.raises(sdk.StorageFull) as err:
+        with sdk.storage("/dev/full"), open("/dev/full", "w") as f:
+            f.write("x" * 10)
+            f.flush()
+    assert isinstance(err.value, OSError) and "no space left to write /dev/full" in str(err.value)
+    events = [json.loads(line) for line in (control / "events.0.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events] == ["storage_full"] and events[0]["path"] == "/dev/full"
+
+
+def test_other_errors_go_through_unchanged(control, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        with sdk.storage(str(tmp_path / "nope" / "x")):
+            open(tmp_path / "nope" / "x", "w")
+    assert not (control / "events.0.jsonl").exists()
+
+
+def test_the_agent_keeps_each_storage_error_once(tmp_path):
+    class Att:
+        storage_errors: list[str] = []
+    att = Att()
+    ev = {"type": "storage_full", "path": "/ck/a", "error": "[Errno 28] No space left on device"}
+    assert _apply_event(att, ev, now=time.time()) == (True, False)
+    assert _apply_event(att, ev, now=time.time()) == (False, False)  # the same one: not again
+    assert att.storage_errors == ["/ck/a: [Errno 28] No space left on device"]
+
+
+def test_the_lease_runs_out_before_the_server_gives_the_node_away():
+    lease = fence_lease(sent_at=1000.0, lost_after_s=30.0)
+    assert lease == {"valid_until": 1022.5, "grace_s": 3.75}  # stopped by 1026.25 < 1030
+    small = fence_lease(sent_at=0.0, lost_after_s=2.0)
+    assert small["valid_until"] + small["grace_s"] < 2.0
+
+
+def _wrap(tmp_path, lease: dict | None, seconds: float) -> tuple[int, dict, float]:
+    lease_path = tmp_path / "lease.json"
+    if lease is not None:
+        lease_path.write_text(json.dumps(lease))
+    exit_path = tmp_path / "exit"
+    t0 = time.monotonic()
+    rc = subprocess.run([sys.executable, "-I", "-S", RANKWRAP, "--exit-file", str(exit_path), "--lease", str(lease_path),
+                         "--", sys.executable, "-c", f"import time; time.sleep({seconds})"], timeout=120).returncode
+    return rc, json.loads(exit_path.read_text()), time.monotonic() - t0
+
+
+def test_a_rank_whose_lease_ran_out_stops_itself(tmp_path):
+    rc, record, took = _wrap(tmp_path, {"valid_until": time.time() - 1, "grace_s": 0.5}, seconds=60)
+    assert record["fenced"] is True and record["exit_code"] == rc == 128 + 15  # SIGTERM
+    assert took < 30
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
+    lease_path = tmp_path / "lease.json"
+    ready = tmp_path / "ready"
+    code = (f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); open({str(ready)!r}, 'w').close(); "
+            "time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-I", "-S", RANKWRAP, "--exit-file", str(tmp_path / "exit"), "--lease",
+                          str(lease_path), "--", sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:  # the rank ignores SIGTERM from now on
+        time.sleep(0.05)
+    lease_path.write_text(json.dumps({"valid_until": time.time() - 1, "grace_s": 0.3}))
+    rc = p.wait(timeout=120)
+    record = json.loads((tmp_path / "exit").read_text())
+    assert record["fenced"] is True and rc == 128 + 9
+
+
+def test_a_valid_lease_or_none_leaves_the_rank_alone(tmp_path):
+    rc, record, _ = _wrap(tmp_path, {"valid_until": time.time() + 600, "grace_s": 1}, seconds=0.5)
+    assert rc == 0 and "fenced" not in record
+    (tmp_path / "lease.json").unlink()
+    rc, record, _ = _wrap(tmp_path, None, seconds=0.3)  # no lease: a server that sends none
+    assert rc == 0 and "fenced" not in record
