@@ -1,7 +1,7 @@
 """indexes for the job list's filters in id order and for the per-user queue limit (issue 12)
 
 Revision ID: 0010
-Revises: 0006
+Revises: 0007
 """
 from typing import Sequence, Union
 
@@ -9,7 +9,7 @@ from alembic import op
 
 
 revision: str = '0010'
-down_revision: Union[str, None] = '0006'
+down_revision: Union[str, None] = '0007'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

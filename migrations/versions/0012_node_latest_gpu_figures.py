@@ -5,7 +5,7 @@ The cluster summary and the fat-tree view read these instead of scanning every n
 (the busy count at the default threshold, 5%); every heartbeat refreshes both.
 
 Revision ID: 0012
-Revises: 0006
+Revises: 0010
 """
 from typing import Sequence, Union
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 
 
 revision: str = '0012'
-down_revision: Union[str, None] = '0006'
+down_revision: Union[str, None] = '0010'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
