@@ -34,7 +34,7 @@ from __future__ import annotations
 import gc
 import heapq
 from bisect import bisect_right
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, le
 
 from hai.domain.jobs import Priority
@@ -125,7 +125,7 @@ def _levels(queued: tuple[QueuedJob, ...]) -> tuple[list[tuple[int, list[QueuedJ
             lst.sort(key=_BY_ID)
             lst.sort(key=_BY_SUBMIT)
     levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
-    return levels, (list(levels[0][1]) if len(levels) == 1 else [j for _, js in levels for j in js])
+    return levels, (list(levels[0][1]) if len(levels) == 1 else list(chain.from_iterable(js for _, js in levels)))
 
 
 class _Cycle:
