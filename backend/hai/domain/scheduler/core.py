@@ -133,6 +133,10 @@ class _Cycle:
     counters the script itself keeps (plans applied against the per-cycle cap, cached bounds
     and sentences)."""
 
+    # the fast lane of ``_nominate_level`` (a switch for the test that compares it with the
+    # rungs walked for every job; it never changes a decision)
+    fast_lane = True
+
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float):
         self.snap, self.policy, self.now = snapshot, policy, now
         self.decisions = Decisions()
@@ -207,7 +211,7 @@ class _Cycle:
         # lane). Off with service classes (a job's rungs read its class).
         lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
         lane_get = lane.get
-        lane_on = not self.classes
+        lane_on = self.fast_lane and not self.classes
         lane_state = self._lane_state()
         keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since))) if lane_on else repeat(None)
         for job, key in zip(jobs, keys):
