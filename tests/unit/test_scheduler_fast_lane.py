@@ -23,6 +23,12 @@ from scheduler_builders import cluster, job, policy  # noqa: E402
 NOW = 100_000.0
 
 
+@pytest.fixture(autouse=True)
+def _lane_on_every_level(monkeypatch):
+    # the lane serves long levels only; here it serves every level, small ones too
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+
+
 def _decide_without_lane(snap, pol, now, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(_Cycle, "fast_lane", False)

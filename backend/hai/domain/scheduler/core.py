@@ -136,6 +136,9 @@ class _Cycle:
     # the fast lane of ``_nominate_level`` (a switch for the test that compares it with the
     # rungs walked for every job; it never changes a decision)
     fast_lane = True
+    # below this many jobs in a level, lane keys rarely repeat (a Fire-Flyer level of 5,000 jobs
+    # has ~3,000 (user, shape) keys): the lane's bookkeeping would cost more than it saves
+    fast_lane_min_jobs = 8192
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float):
         self.snap, self.policy, self.now = snapshot, policy, now
@@ -211,7 +214,7 @@ class _Cycle:
         # lane). Off with service classes (a job's rungs read its class).
         lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
         lane_get = lane.get
-        lane_on = self.fast_lane and not self.classes
+        lane_on = self.fast_lane and not self.classes and len(jobs) >= self.fast_lane_min_jobs
         lane_state = self._lane_state()
         keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since))) if lane_on else repeat(None)
         for job, key in zip(jobs, keys):
@@ -275,7 +278,7 @@ class _Cycle:
                             grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
                         grp[2].append(job)
                         pend[jid] = grp[3]
-                        if plain and lane_on and self._lane_state() == lane_state:
+                        if plain and lane_on:
                             lane[key] = (grp[3], grp[2])
                     else:
                         waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
@@ -292,7 +295,7 @@ class _Cycle:
                 pend[jid] = got
                 if not plain:
                     self.res.drop(jid)
-                elif memo_only and lane_on and self._lane_state() == lane_state:
+                elif memo_only and lane_on:
                     lane[key] = (got, None)
             finally:
                 if lane_on:  # whatever this job changed empties the lane before the next job
