@@ -34,7 +34,8 @@ from __future__ import annotations
 import gc
 import heapq
 from bisect import bisect_right
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, le
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.explain import (
@@ -66,6 +67,11 @@ _BY_RANK = list(Priority)
 _BY_ID = attrgetter("id")
 _BY_SUBMIT = attrgetter("first_submitted_at")
 _BY_PRIORITY = attrgetter("priority")
+_QUEUED_AT = attrgetter("queued_at")
+_RESERVED = attrgetter("reserved_nodes")
+# what a plain job's outcome reads of the job itself when every rung is answered from the memos
+# (its level fixes its priority): the key of the level's fast lane
+_LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 
 
 def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
@@ -94,18 +100,23 @@ schedule.starts_every_fit = True  # type: ignore[attr-defined]
 def _levels(queued: tuple[QueuedJob, ...]) -> tuple[list[tuple[int, list[QueuedJob]]], list[QueuedJob]]:
     """(rank, jobs) by priority level, high first, FIFO by first submission inside a level; and
     the whole queue in that order. (Two stable sorts with plain keys: faster than one sort on
-    tuples.)"""
-    fifo = sorted(sorted(queued, key=_BY_ID), key=_BY_SUBMIT)
+    tuples.) The queue is split by priority in the snapshot's own order first and each part
+    sorted after: every pass over 100,000 jobs then reads them in the order they lie in memory
+    (a pass in FIFO order reads them scattered), the same result as sorting the whole queue
+    and splitting it."""
     by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
-    pids = list(map(id, map(_BY_PRIORITY, fifo)))
-    if fifo and pids.count(pids[0]) == len(pids):  # one priority: the common case
-        by_prio[pids[0]] = fifo
+    pids = list(map(id, map(_BY_PRIORITY, queued)))
+    if queued and pids.count(pids[0]) == len(pids):  # one priority: the common case
+        by_prio[pids[0]] = list(queued)
     else:
-        for k, j in zip(pids, fifo):
+        for k, j in zip(pids, queued):
             lst = by_prio.get(k)
             if lst is None:
                 lst = by_prio[k] = []
             lst.append(j)
+    for lst in by_prio.values():
+        lst.sort(key=_BY_ID)
+        lst.sort(key=_BY_SUBMIT)
     by_level: dict[int, list[QueuedJob]] = {}
     for lst in by_prio.values():
         by_level.setdefault(_rank(lst[0].priority), []).extend(lst)
@@ -114,13 +125,20 @@ def _levels(queued: tuple[QueuedJob, ...]) -> tuple[list[tuple[int, list[QueuedJ
             lst.sort(key=_BY_ID)
             lst.sort(key=_BY_SUBMIT)
     levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
-    return levels, (fifo if len(levels) == 1 else [j for _, js in levels for j in js])
+    return levels, (list(levels[0][1]) if len(levels) == 1 else list(chain.from_iterable(js for _, js in levels)))
 
 
 class _Cycle:
     """One cycle's state: its owners (index, facts, quota, reservations, memo) and the few
     counters the script itself keeps (plans applied against the per-cycle cap, cached bounds
     and sentences)."""
+
+    # the fast lane of ``_nominate_level`` (a switch for the test that compares it with the
+    # rungs walked for every job; it never changes a decision)
+    fast_lane = True
+    # below this many jobs in a level, lane keys rarely repeat (a Fire-Flyer level of 5,000 jobs
+    # has ~3,000 (user, shape) keys): the lane's bookkeeping would cost more than it saves
+    fast_lane_min_jobs = 8192
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float):
         self.snap, self.policy, self.now = snapshot, policy, now
@@ -138,7 +156,7 @@ class _Cycle:
         self.quota = QuotaBook(snapshot.quotas)  # everything holding GPUs counts, at its effective priority
         self.quota.charge_all(snapshot.running, self.facts.eff_rank)
         self.memo = Memo()
-        self.res = Reservations(self.queue, self.index, self.memo)  # first owner in queue order wins a node
+        self.res = Reservations(self._reserved_in_queue_order(), self.index, self.memo)  # first owner in queue order wins a node
         self._cross_running: bool | None = None  # a job spans zones (one at a time; computed when asked)
         self._bounds: dict[int, tuple[int, int]] = {}  # memo epoch -> (most GPUs on a node, whole nodes in a zone)
         self._maxfree = -1  # most free GPUs on any node (only shrinks during a cycle)
@@ -147,6 +165,15 @@ class _Cycle:
         self._las_nodes: dict[int, list[tuple]] | None = None  # node ord -> possible victims by class
         self._las_chosen: set[int] = set()
         self._las_fail: dict[tuple[int, int], int] = {}  # (rank, class) -> fewest GPUs that found no victims
+
+    def _reserved_in_queue_order(self) -> list[QueuedJob]:
+        """The queued jobs with reserved nodes, in queue order: found in the snapshot's own
+        order (one pass over the jobs as they lie in memory), then ordered by the queue's key
+        (level high first, service class, first submission, id)."""
+        got = list(filter(_RESERVED, self.snap.queued))
+        cls = self._cls
+        got.sort(key=lambda j: (-_rank(j.priority), cls.get(j.id, 0), j.first_submitted_at, j.id))
+        return got
 
     def run(self) -> Decisions:
         for rank, jobs in self.levels:
@@ -179,76 +206,122 @@ class _Cycle:
         waiters = _Waiters()
         groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
         final: dict[tuple[str, bool], str] = {}  # (placement failure, deferred) -> pending reason
-        for job in jobs:
+        # The fast lane: a plain job all of whose rungs were answered from the memos, without
+        # changing anything, leaves (its pending reason, the time-sharing group it joined) under
+        # its lane key; the next plain job of that key gets the same outcome in O(1), as long as
+        # nothing its rungs read has changed since (``_lane_state``: starts, quota charges,
+        # plans, reservations, capacity given back, new memo entries; any change empties the
+        # lane). Off with service classes (a job's rungs read its class).
+        lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
+        lane_get = lane.get
+        lane_on = self.fast_lane and not self.classes and len(jobs) >= self.fast_lane_min_jobs
+        lane_state = self._lane_state()
+        keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since))) if lane_on else repeat(None)
+        for job, key in zip(jobs, keys):
             jid = job.id
-            n, g = job.nodes, job.gpus_per_node
-            plain = not ((owned and jid in owned) or (pt and jid in pt) or job.allow_cross_zone)
-            # 1. asks for nothing
-            if n < 1 or g < 1:
-                pend[jid] = "asks for no GPUs; nothing to schedule"
-                self.res.drop(jid)
+            hit = lane_get(key)
+            if hit is not None and not ((owned and jid in owned) or (pt and jid in pt)):
+                pend[jid] = hit[0]
+                if hit[1] is not None:
+                    hit[1].append(job)
                 continue
-            # 2. quota (a job within every cap's least headroom is within its quotas: no call)
-            if quota is not None and n * g > quota.min_headroom:
-                blocked = quota.blocked(job)
-                if blocked:
-                    pend[jid] = blocked
+            try:
+                n, g = job.nodes, job.gpus_per_node
+                plain = not ((owned and jid in owned) or (pt and jid in pt) or job.allow_cross_zone)
+                # 1. asks for nothing
+                if n < 1 or g < 1:
+                    pend[jid] = "asks for no GPUs; nothing to schedule"
                     self.res.drop(jid)
+                    if plain and lane_on:
+                        lane[key] = (pend[jid], None)
                     continue
-            # 3. placement -> started
-            reason = place_fail.get((n, g, False)) if plain else None
-            memo_only = reason is not None
-            if reason is None:
-                placement, reason, allocs = self._try_place(job, self.res.extras(job, rank))
-                if placement is not None:
-                    self._start(job, placement, allocs)
-                    continue
-            # 4. preemption -> reserved
-            deferred = False
-            if memo_only and not (prio_possible and (n, g, rank, False, "") not in plan_fail):
-                pass  # no outranked job past its minimum runtime, or this shape found no plan
-            elif memo_only and self.plans_applied >= cap:
-                deferred = True  # victims may exist; the next cycle plans them
-            else:
-                memo_only = False
-                plan, deferred = self._plan(job, time_sharing=False)
-                if plan is not None:
-                    self._apply_plan(job, plan)
-                    continue
-            # 4b. least attained service: suspend jobs of its priority with more attained service
-            if self.classes and n == 1 and not deferred and pol.preemption and self.plans_applied < cap:
-                if self._las_preempt(job, rank):
-                    continue
-            # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
-            if ts_on and not deferred and job.queued_at <= ts_since:
-                if memo_only:
-                    key = (job.user, n, g)
-                    grp = groups.get(key)
-                    if grp is None:
-                        # the reason its jobs keep if time-sharing finds nothing for them
-                        grp = groups[key] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
-                    grp[2].append(job)
-                    pend[jid] = grp[3]
+                # 2. quota (a job within every cap's least headroom is within its quotas: no call)
+                if quota is not None and n * g > quota.min_headroom:
+                    blocked = quota.blocked(job)
+                    if blocked:
+                        pend[jid] = blocked
+                        self.res.drop(jid)
+                        if plain and lane_on:
+                            lane[key] = (blocked, None)
+                        continue
+                # 3. placement -> started
+                reason = place_fail.get((n, g, False)) if plain else None
+                memo_only = reason is not None
+                if reason is None:
+                    placement, reason, allocs = self._try_place(job, self.res.extras(job, rank))
+                    if placement is not None:
+                        self._start(job, placement, allocs)
+                        continue
+                # 4. preemption -> reserved
+                deferred = False
+                if memo_only and not (prio_possible and (n, g, rank, False, "") not in plan_fail):
+                    pass  # no outranked job past its minimum runtime, or this shape found no plan
+                elif memo_only and self.plans_applied >= cap:
+                    deferred = True  # victims may exist; the next cycle plans them
                 else:
-                    waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
-                    pend[jid] = reason
-                continue
-            # 6. waiting, with the placement failure and what preemption could not do
-            behind = self._behind(rank, jid) if self.classes else 0
-            fkey = (reason, deferred, behind, self._cls.get(jid, 0))
-            got = final.get(fkey)
-            if got is None:
-                got = final[fkey] = reason + self._note(job, False, deferred)
-                if behind:
-                    got += f"; waits behind {behind} job(s) with less attained service"
-                if self.classes:
-                    got += self._class_note(self._cls[jid])
-            pend[jid] = got
-            if not plain:
-                self.res.drop(jid)
+                    memo_only = False
+                    plan, deferred = self._plan(job, time_sharing=False)
+                    if plan is not None:
+                        self._apply_plan(job, plan)
+                        continue
+                # 4b. least attained service: suspend jobs of its priority with more attained service
+                if self.classes and n == 1 and not deferred and pol.preemption and self.plans_applied < cap:
+                    if self._las_preempt(job, rank):
+                        continue
+                # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
+                if ts_on and not deferred and job.queued_at <= ts_since:
+                    if memo_only:
+                        gkey = (job.user, n, g)
+                        grp = groups.get(gkey)
+                        if grp is None:
+                            # the reason its jobs keep if time-sharing finds nothing for them
+                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
+                        grp[2].append(job)
+                        pend[jid] = grp[3]
+                        if plain and lane_on:
+                            lane[key] = (grp[3], grp[2])
+                    else:
+                        waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
+                        pend[jid] = reason
+                    continue
+                # 6. waiting, with the placement failure and what preemption could not do
+                behind = self._behind(rank, jid) if self.classes else 0
+                fkey = (reason, deferred, behind, self._cls.get(jid, 0))
+                got = final.get(fkey)
+                if got is None:
+                    got = final[fkey] = reason + self._note(job, False, deferred)
+                    if behind:
+                        got += f"; waits behind {behind} job(s) with less attained service"
+                    if self.classes:
+                        got += self._class_note(self._cls[jid])
+                pend[jid] = got
+                if not plain:
+                    self.res.drop(jid)
+                elif memo_only and lane_on:
+                    lane[key] = (got, None)
+            finally:
+                if lane_on:  # whatever this job changed empties the lane before the next job
+                    now_state = self._lane_state()
+                    if now_state != lane_state:
+                        lane.clear()
+                        lane_state = now_state
         for (user, n, g), (reason, epoch, lst, _final) in groups.items():
             waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
         return waiters
+
+    def _lane_state(self) -> tuple[int, ...]:
+        """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""
+        d, memo = self.decisions, self.memo
+        return (
+            memo.epoch,
+            len(memo.place_fail),
+            len(memo.plan_fail),
+            self.plans_applied,
+            len(d.starts),
+            len(d.suspends),
+            len(d.reservations),
+            len(self.res.owner),
+        )
 
     def _note(self, job: QueuedJob, ts_tried: bool, deferred: bool) -> str:
         """``explain.waiting_note``, one sentence per (rank, time-sharing tried, deferred, variant)."""

@@ -1,0 +1,82 @@
+"""The cycle's fast lane (``_Cycle._nominate_level``): a plain job whose rungs the memos answer
+leaves its outcome under its lane key, and later jobs of that key reuse it while nothing the
+rungs read has changed. It must never change a decision: the same cycles with the lane off
+(every job walks the ladder) decide exactly the same, and an outcome whose facts changed in
+between (a quota bucket filled by a start) is recomputed, not reused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from hai.domain.scheduler import Policy, schedule
+from hai.domain.scheduler.core import _Cycle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import decision_hash  # noqa: E402
+from scheduler_builders import cluster, job, policy  # noqa: E402
+
+NOW = 100_000.0
+
+
+@pytest.fixture(autouse=True)
+def _lane_on_every_level(monkeypatch):
+    # the lane serves long levels only; here it serves every level, small ones too
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+
+
+def _decide_without_lane(snap, pol, now, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(_Cycle, "fast_lane", False)
+        return schedule(snap, pol, now)
+
+
+def test_a_lane_reason_is_recomputed_after_a_start_fills_the_quota_bucket(monkeypatch):
+    # group g may hold 9 GPUs at NORMAL and holds 8: "a1" (2 GPUs) is blocked, "b" (1 GPU)
+    # starts and fills the bucket, "a2" (a1's user and shape) must see the bucket as it is now
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
+    c.run(job("r").group("g").user("x").started(NOW - 3600))
+    c.quota("g", "NORMAL", 9)
+    c.queue(
+        job("a1").group("g").user("u").gpus(2).submitted(0),
+        job("b").group("g").user("v").gpus(1).submitted(1),
+        job("a2").group("g").user("u").gpus(2).submitted(2),
+        job("a3").group("g").user("u").gpus(2).submitted(3),
+    )
+    snap = c.snapshot()
+    d = schedule(snap, policy(), NOW)
+    assert [s.job_id for s in d.starts] == [c.id_of("b")]
+    assert d.pending_reasons[c.id_of("a1")] == "group g at NORMAL uses 8 of 9 GPUs; this job needs 2"
+    assert d.pending_reasons[c.id_of("a2")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
+    assert d.pending_reasons[c.id_of("a3")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
+    assert d == _decide_without_lane(snap, policy(), NOW, monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(decision_hash.cases()), ids=lambda c: c[0])
+def test_the_lane_decides_as_the_full_ladder_does(case, monkeypatch):
+    _name, snap, pol, now = case
+    with_lane = schedule(snap, pol, now)
+    without = _decide_without_lane(snap, pol, now, monkeypatch)
+    assert decision_hash.canonical(with_lane) == decision_hash.canonical(without)
+    # the order in which the reasons were recorded too (the service writes them in that order)
+    assert list(with_lane.pending_reasons.items()) == list(without.pending_reasons.items())
+
+
+def test_the_lane_groups_time_sharing_candidates_as_the_ladder_does(monkeypatch):
+    # a full cluster of LOW jobs of other users that ran past the quantum; many waiting jobs of
+    # two users and two shapes, all past the wait threshold: each (user, shape) group must hold
+    # its jobs in FIFO order whichever way they were answered, so time-sharing picks the same
+    c = cluster().zone("A", leaves=2, nodes_per_leaf=4)
+    for i in range(8):
+        c.run(job(f"r{i}").user(f"o{i}").started(NOW - 6 * 3600).checkpoint(NOW - 60))
+    for i in range(40):
+        c.queue(job(f"q{i}").user("ann" if i % 3 else "bob").gpus(8 if i % 2 else 4).submitted(i).queued_at(NOW - 7200 + i))
+    snap = c.snapshot()
+    pol = Policy()
+    d = schedule(snap, pol, NOW)
+    assert d.suspends  # time-sharing found victims for some of them
+    assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)
