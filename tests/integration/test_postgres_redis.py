@@ -124,6 +124,27 @@ def test_redis_carries_wakeups_between_processes(redis_url):
         b.close()
 
 
+def test_platforms_on_different_redis_databases_do_not_wake_each_other(redis_url):
+    """Pub/sub ignores the database number; the channel is named after it. Ordering makes this
+    deterministic: Redis queues a PUBLISH for every subscriber before it answers it, and ``b``
+    receives on one connection in order, so once ``b`` has seen the marker (published after the
+    other database's message was answered) that message would have arrived, had it been heard."""
+    base, _, db = redis_url.rpartition("/")
+    other_url = f"{base}/{(int(db) if db.isdigit() else 0) + 1}"
+    a, b, a_twin = RedisNotifier(other_url), RedisNotifier(redis_url), RedisNotifier(redis_url)
+    try:
+        assert a.CHANNEL != b.CHANNEL == a_twin.CHANNEL
+        since = b.version("marker")
+        a.publish("node:x")  # the other database: b must not hear it
+        a_twin.publish("marker")  # b's own database, published after it
+        assert b.wait("marker", since, 20)
+        assert b.version("node:x") == 0
+    finally:
+        a.close()
+        b.close()
+        a_twin.close()
+
+
 def test_celery_worker_reaps_silent_nodes(pg_platform, celery_worker):
     with pg_platform.sessions() as s:
         s.add(Node(name="silent", gpus=8, last_heartbeat_at=utcnow() - timedelta(hours=1)))

@@ -112,6 +112,10 @@ class RedisNotifier(Notifier):
 
         self._origin = uuid.uuid4().hex
         self._redis = redis.Redis.from_url(url)
+        # pub/sub channels ignore the database number: name the channel after it, so platforms
+        # sharing one Redis server on different databases do not wake each other
+        db = self._redis.connection_pool.connection_kwargs.get("db", 0)
+        self.CHANNEL = f"{RedisNotifier.CHANNEL}:{db}"
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         self._pubsub.subscribe(self.CHANNEL)
         self._stop = threading.Event()
