@@ -43,7 +43,9 @@ def test_job_ignoring_the_request_is_stopped_after_its_grace_period(preempting_s
     wait_for(lambda: stack.job_processes(job["id"]) == [], what="SIGKILL after SIGTERM was ignored")
 
 
-def _agent_pid(node: str) -> tuple[int, list[str]]:
+def _agent_pid(node: str) -> tuple[int, list[str], dict[str, str]]:
+    """The agent process of ``node``: its pid, argv and environment (``hai dev`` hands agents the
+    node credential by environment, not on the command line)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -52,7 +54,8 @@ def _agent_pid(node: str) -> tuple[int, list[str]]:
         except OSError:
             continue
         if "agent" in argv and "--node" in argv and argv[argv.index("--node") + 1] == node and "hai.cli.main" in argv:
-            return int(entry.name), [a for a in argv if a]
+            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_bytes().decode().split("\0") if "=" in kv)
+            return int(entry.name), [a for a in argv if a], env
     raise AssertionError(f"no agent process for {node}")
 
 
@@ -63,12 +66,12 @@ def test_agent_killed_and_restarted_mid_job_reattaches(stack, tmp_path):
     node = running["placement"][0]["node"]
     pids_before = sorted(stack.job_processes(job["id"]))
     assert pids_before
-    pid, argv = _agent_pid(node)
+    pid, argv, agent_env = _agent_pid(node)
     os.kill(pid, signal.SIGKILL)
     # the job's processes live on without their agent (every one seen before the kill is still
     # there; bash may have forked its `sleep` in between, so the set may have grown)
     assert set(pids_before) <= set(stack.job_processes(job["id"]))
-    restarted = subprocess.Popen(argv, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    restarted = subprocess.Popen(argv, env={**agent_env, "PYTHONUNBUFFERED": "1"},
                                  stdout=(tmp_path / "agent2.log").open("w"), stderr=subprocess.STDOUT)
     try:
         done = stack.wait_state(job["id"], TERMINAL, timeout=120)
