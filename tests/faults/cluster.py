@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,25 +21,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.e2e.conftest import free_port, wait_for  # noqa: F401  (re-exported: the suite's one copy)
+
 REPO = Path(__file__).resolve().parents[2]
 JOBSCRIPT = str(Path(__file__).with_name("jobscript.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, *, timeout: float = 60.0, what: str = "condition", interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
 
 
 def _as_postgres(cmd: list[str]) -> list[str]:
