@@ -194,9 +194,7 @@ def heartbeat_steady(*, session: Session, hb: Heartbeat, steady: _Steady, settin
     now = utcnow()
     values: dict = {"last_heartbeat_at": now}
     if hb.gpus:
-        values["gpu_metrics"] = [g.model_dump() for g in hb.gpus]
-        values["gpu_util_pct"], values["gpus_busy"] = metrics_store.latest_gpu_figures(
-            hb.gpus, settings.metrics.busy_util_pct)
+        values.update(metrics_store.latest_gpu_columns(hb.gpus, settings))
     stmt = update(Node).where(Node.name == hb.node, Node.state == steady.state)
     every = settings.validation.quick_every_heartbeats
     if every and steady.state in _COUNTING:

@@ -423,12 +423,18 @@ def latest_gpu_figures(gpus: Sequence, busy_util_pct: float) -> tuple[float | No
     return sum(utils) / len(utils), sum(1 for u in utils if u >= busy_util_pct)
 
 
+def latest_gpu_columns(gpus: Sequence, settings: Settings) -> dict:  # noqa: ANN001
+    """A heartbeat's GPU figures as the node's columns: ``gpu_metrics`` with their mean
+    utilisation and busy count folded into two columns, which the cluster summary and tree read
+    (no JSON scan of every node's GPUs per page load)."""
+    util, busy = latest_gpu_figures(gpus, settings.metrics.busy_util_pct)
+    return {"gpu_metrics": [g.model_dump() for g in gpus], "gpu_util_pct": util, "gpus_busy": busy}
+
+
 def set_latest_gpus(node, gpus: Sequence, settings: Settings) -> None:  # noqa: ANN001
-    """Keep a heartbeat's GPU figures on the node (``gpu_metrics``) with their mean utilisation
-    and busy count folded into two columns, which the cluster summary and tree read (no JSON
-    scan of every node's GPUs per page load)."""
-    node.gpu_metrics = [g.model_dump() for g in gpus]
-    node.gpu_util_pct, node.gpus_busy = latest_gpu_figures(gpus, settings.metrics.busy_util_pct)
+    """Keep a heartbeat's GPU figures on the node (``latest_gpu_columns``)."""
+    for column, value in latest_gpu_columns(gpus, settings).items():
+        setattr(node, column, value)
 
 
 @dataclass(frozen=True, slots=True)
