@@ -219,7 +219,7 @@ def main() -> None:
         "target_s": 60, "met": marks.get("jobs_succeeded_s", 1e9) <= 60,
         "job_states": states, "unfinished_last_event": dict(reasons.most_common(5)), "log_lines_stored": log_lines,
         "seconds_in": {k: round(v, 2) for k, v in backend.timings.items()},
-        "backend_passes": backend.passes, "heartbeats": backend.heartbeats, "pods_created": backend.pods_created,
+        "backend_passes": backend.passes, "scheduler_cycles": sched.cycles, "heartbeats": backend.heartbeats, "pods_created": backend.pods_created,
         "api_writes": stats()["writes"], "cpu_count": os.cpu_count(),
         # CPU seconds from the submission to the end (less sensitive to a shared machine's load
         # than the wall times): the platform process (backend + scheduler), the emulator + kubelet

@@ -320,3 +320,55 @@ def test_fence_on_sqlite_refuses_a_superseded_leader(tmp_path):
         stop.set()
         pa.close()
         pb.close()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_a_cycle_longer_than_the_lease_does_not_fence_its_own_leader(backend, request, tmp_path, monkeypatch):
+    """Issue 14: the first cycle placing 1,000 jobs on a loaded machine outlasted the lease. The
+    cycle holds the lease row from its fence to its commit, so no one can have taken over; it
+    renews the lease before it commits, and the next cycle finds its leader current. The lease
+    running out *inside* the transaction is made by moving ``expires_at`` into the past there."""
+    import threading
+
+    from hai.services.leader import Fenced, fence, leadership
+
+    if backend == "postgresql":
+        platform = request.getfixturevalue("pg_platform")
+    else:
+        url = f"sqlite:///{tmp_path / 'hai.db'}"
+        upgrade(url)
+        platform = Platform.from_settings(Settings(data_dir=tmp_path, db={"url": url}, frontend_dist=tmp_path / "none"))
+        request.addfinalizer(platform.close)
+
+    def run_out(s) -> None:  # noqa: ANN001 - the lease ends while the cycle's transaction runs
+        s.execute(text("UPDATE scheduler_leases SET expires_at = :t"), {"t": datetime(2000, 1, 1)})
+
+    with TestClient(create_app(platform)) as client:
+        api = Api(client, platform)
+        api.register_node("p0", gpus=8)
+        j1 = api.submit(gpus_per_node=4, name="long-cycle")
+        with leadership(platform, stop=threading.Event()) as lease:
+            from hai.services import scheduling
+
+            real_load = scheduling._load
+
+            def slow_load(session, **kw):  # noqa: ANN001, ANN003
+                out = real_load(session, **kw)
+                run_out(session)
+                return out
+
+            monkeypatch.setattr(scheduling, "_load", slow_load)
+            with platform.sessions() as s:
+                assert run_cycle(s, settings=platform.settings, lease=lease).started == [j1["id"]]
+            monkeypatch.setattr(scheduling, "_load", real_load)
+            with platform.sessions() as s:  # the next cycle: still the leader
+                fence(s, lease)
+                s.rollback()
+            # without the renewal at the end, a lease that ran out is found out: the check is real
+            with platform.sessions() as s:
+                fence(s, lease)
+                run_out(s)
+                s.commit()
+            with platform.sessions() as s, pytest.raises(Fenced, match="ran out"):
+                fence(s, lease)
+    assert placed_by(platform, j1["id"]) == lease.epoch

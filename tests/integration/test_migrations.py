@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,25 @@ def test_node_gpu_figure_columns_are_filled_from_the_latest_heartbeat(any_url):
     engine.dispose()
     assert rows == {"a": (46.0, 1), "b": (None, 0)}
     downgrade(any_url, "0006")
+
+
+def test_node_gpu_indices_are_filled_from_the_inventory(any_url):
+    """0013 keeps an agent's own GPU numbering (GPUs 4-7 of a host) as a column, NULL for 0..n-1."""
+    from sqlalchemy import text
+
+    upgrade(any_url, "0012")
+    engine = create_engine(any_url)
+    inv = lambda idx: "[" + ", ".join(f'{{"index": {i}, "uuid": "GPU-{i}"}}' for i in idx) + "]"  # noqa: E731
+    with engine.begin() as c:
+        for name, gpus, inventory in (("upper", 4, inv([6, 4, 7, 5])), ("plain", 2, inv([0, 1])), ("none", 8, "[]")):
+            c.execute(text("INSERT INTO nodes (name, zone, leaf, gpus, state, address, fake_gpus, gpu_inventory, gpu_metrics,"
+                           " nics, agent_version, protocol_version, registered_at, state_reason, labels_from_topology,"
+                           " heartbeats_since_quick) VALUES (:n, 'z', 'l', :g, 'ready', '', false, :i, '[]', '[]', '', 1,"
+                           " CURRENT_TIMESTAMP, '', false, 0)"), {"n": name, "g": gpus, "i": inventory})
+    upgrade(any_url)
+    with engine.connect() as c:
+        rows = dict(c.execute(text("SELECT name, gpu_indices FROM nodes")).all())
+    engine.dispose()
+    rows = {k: (json.loads(v) if isinstance(v, str) else v) for k, v in rows.items()}
+    assert rows == {"upper": [4, 5, 6, 7], "plain": None, "none": None}
+    downgrade(any_url, "0012")

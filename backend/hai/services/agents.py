@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
 from hai.db.models import Node
@@ -60,6 +60,8 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     node.address = hello.address
     node.fake_gpus = hello.fake_gpus
     node.gpu_inventory = [g.model_dump() for g in hello.gpus]
+    numbering = sorted(g.index for g in hello.gpus)
+    node.gpu_indices = None if numbering == list(range(len(numbering))) else numbering
     node.nics = [n.model_dump() for n in hello.nics]
     node.agent_version = hello.agent_version
     node.protocol_version = hello.protocol_version
@@ -79,7 +81,12 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
-    row = session.execute(select(Node, node_health.has_pending_run()).where(Node.name == hb.node)).first()
+    # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
+    # a heartbeat overwrites the metrics and reads the inventory only for a validation run
+    row = session.execute(
+        select(Node, node_health.has_pending_run()).where(Node.name == hb.node)
+        .options(defer(Node.gpu_inventory), defer(Node.gpu_metrics), defer(Node.nics))
+    ).first()
     if row is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
     node, maybe_pending = row

@@ -38,8 +38,8 @@ def transition(session: Session, job: Job, target: JobState, *, reason: str, now
     except IllegalTransition as exc:
         raise Conflict(str(exc)) from exc
     job.state = target.value
-    job.events.append(JobEvent(at=now, from_state=current.value, to_state=target.value, reason=reason,
-                               epoch=session.info.get(SCHEDULER_EPOCH)))
+    _add_event(session, job, JobEvent(at=now, from_state=current.value, to_state=target.value, reason=reason,
+                                      epoch=session.info.get(SCHEDULER_EPOCH)))
     if current.active and not target.active and job.attempt_started_at is not None:
         job.run_s += max(0.0, (now - job.attempt_started_at).total_seconds())
     if target == JobState.STARTING:
@@ -74,8 +74,19 @@ def _node_topics(job: Job) -> list[str]:
 
 def record_event(session: Session, job: Job, reason: str, *, now: datetime | None = None) -> None:
     """An event that is not a state change (a demotion, a placement note)."""
-    job.events.append(JobEvent(at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason,
-                               epoch=session.info.get(SCHEDULER_EPOCH)))
+    _add_event(session, job, JobEvent(at=now or utcnow(), from_state=job.state, to_state=job.state, reason=reason,
+                                      epoch=session.info.get(SCHEDULER_EPOCH)))
+
+
+def _add_event(session: Session, job: Job, event: JobEvent) -> None:
+    """Append to the job's history without reading it: a job loaded without its events (a
+    heartbeat's, a cycle's) gets the event queued on its unloaded collection and inserted at the
+    next flush, instead of a SELECT of every earlier event first (issue 14's profile)."""
+    if "events" in job.__dict__:
+        job.events.append(event)
+    else:
+        event.job = job  # the backref queues it on the unloaded collection; no load
+        session.add(event)
 
 
 # -- submission and queries ----------------------------------------------------------------

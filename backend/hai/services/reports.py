@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, lazyload, object_session, selectinload
+from sqlalchemy.orm.attributes import set_committed_value
 
-from hai.db.models import Job, JobAllocation
+from hai.db.models import GpuHold, Job, JobAllocation
 from hai.domain import outcomes
 from hai.domain.jobs import JobState
 from hai.domain.outcomes import AttemptReports, NodeReport, Outcome, RankReport, Verdict
@@ -49,22 +50,34 @@ def attempt_reports(job: Job) -> AttemptReports:
     )
 
 
-def lock_jobs(session: Session, job_ids: list[int]) -> None:
+def lock_jobs(session: Session, job_ids: list[int]) -> dict[int, Job]:
     """Lock these jobs' rows (in id order: no deadlock between two such transactions) and
-    reload them and their allocations as committed now (PostgreSQL; SQLite serialises writers)."""
+    reload them and their allocations as committed now (PostgreSQL; SQLite serialises writers).
+    Returns them by id. The reloaded allocations get their job set: a lazy ``alloc.job`` after
+    this reload would carry ``populate_existing`` and read the job, its events and its
+    allocations once more (issue 14's profile). Events are not loaded (``jobs._add_event``)."""
     session.flush()
-    session.scalars(
+    jobs = {j.id: j for j in session.scalars(
         select(Job).where(Job.id.in_(sorted(job_ids))).order_by(Job.id).with_for_update()
-        .options(selectinload(Job.allocations)).execution_options(populate_existing=True)
-    ).all()
+        .options(selectinload(Job.allocations), lazyload(Job.events)).execution_options(populate_existing=True)
+    )}
+    for job in jobs.values():  # the reloaded allocations point at their job without another load
+        for alloc in job.allocations:
+            set_committed_value(alloc, "job", job)
+    return jobs
 
 
 def release(alloc: JobAllocation, now: datetime) -> None:
     """The allocation's GPUs are free again: inactive, and its ``gpu_holds`` rows deleted in
-    the same transaction (the unique index over held GPUs admits them to another job)."""
+    the same transaction (the unique index over held GPUs admits them to another job): one
+    DELETE, without loading the rows first."""
     alloc.active = False
     alloc.released_at = now
-    alloc.holds.clear()
+    session = object_session(alloc)
+    if session is None or alloc.id is None or "holds" in alloc.__dict__:
+        alloc.holds.clear()  # loaded (or not yet flushed): the unit of work deletes them
+        return
+    session.execute(delete(GpuHold).where(GpuHold.allocation_id == alloc.id))
 
 
 def apply_reports(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -48,16 +48,26 @@ def _ts(dt: datetime | None) -> float | None:
     return dt.timestamp() if dt is not None else None
 
 
-def gpu_indices(node: Node) -> list[int]:
+def gpu_indices(node: Node | Row) -> list[int]:
     """The node's GPU indices as its agent numbers them (an agent may own GPUs 4-7 of a host).
-    The domain counts a node's GPUs by position 0..gpus-1; the service translates both ways."""
-    indices = sorted(int(g["index"]) for g in (node.gpu_inventory or []))
-    return indices if len(indices) == node.gpus else list(range(node.gpus))
+    The domain counts a node's GPUs by position 0..gpus-1; the service translates both ways.
+    ``Node.gpu_indices`` is NULL for the common 0..gpus-1 (registration writes it)."""
+    indices = node.gpu_indices
+    return sorted(indices) if indices is not None and len(indices) == node.gpus else list(range(node.gpus))
 
 
 def _positions(indices: list[int], held: set[int] | list[int]) -> tuple[int, ...]:
+    if indices and indices[-1] == len(indices) - 1:  # sorted, so 0..n-1: positions are the indices
+        return tuple(sorted(g for g in held if 0 <= g < len(indices)))
     where = {idx: pos for pos, idx in enumerate(indices)}
     return tuple(sorted(where[g] for g in held if g in where))
+
+
+def _free(indices: list[int], held: set[int] | None) -> tuple[int, ...]:
+    """The positions of the node's GPUs that no active allocation holds."""
+    if not held:
+        return tuple(range(len(indices)))
+    return tuple(pos for pos, g in enumerate(indices) if g not in held)
 
 
 # the columns of a job the snapshot needs (issue 12: a cycle reads rows, not ORM objects with
@@ -82,8 +92,13 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
     return _load(session, now=now, lost_after_s=lost_after_s)[0]
 
 
+# the columns of a node the snapshot needs: not its GPU inventory and metrics, NICs and labels
+# (JSON documents that a cycle decoded for every node of the cluster, twice; issue 14's profile)
+_NODE_COLUMNS = (Node.name, Node.zone, Node.leaf, Node.gpus, Node.gpu_indices, Node.state, Node.last_heartbeat_at)
+
+
 def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sched.Snapshot, dict[int, QueuedNow]]:
-    nodes = list(session.scalars(select(Node).order_by(Node.name)))
+    nodes = session.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
     held: dict[str, set[int]] = {}
     active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
     for job_id, attempt, node_name, gpus in session.execute(
@@ -101,7 +116,7 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
             zone=n.zone,
             leaf=n.leaf,
             gpus=n.gpus,
-            free_gpus=tuple(pos for pos, g in enumerate(indices[n.name]) if g not in held.get(n.name, set())),
+            free_gpus=_free(indices[n.name], held.get(n.name)),
             schedulable=n.state in SCHEDULABLE_NODE_STATES
             and n.last_heartbeat_at is not None
             and n.last_heartbeat_at >= fresh_after,
@@ -198,19 +213,30 @@ def _update_usage(session: Session, snapshot: sched.Snapshot, *, now: datetime, 
     return result
 
 
-def _pick_master_port(session: Session, *, node: str, base: int) -> int:
-    used = set(
-        session.scalars(
-            select(Job.master_port).where(
-                Job.master_addr.is_not(None),
+def _used_master_ports(session: Session, heads: list[str]) -> dict[str, set[int]]:
+    """The rendezvous ports of the active jobs whose rank 0 is on each of these nodes, in one
+    query for a cycle's starts (issue 14: one query and one flush per start was a tenth of the
+    cycle that places 1,000 jobs)."""
+    used: dict[str, set[int]] = {h: set() for h in heads}
+    if heads:
+        for node, port in session.execute(
+            select(JobAllocation.node_name, Job.master_port)
+            .join(Job, Job.id == JobAllocation.job_id)
+            .where(
+                JobAllocation.node_name.in_(heads), JobAllocation.node_rank == 0, Job.master_addr.is_not(None),
                 Job.state.in_([s.value for s in ACTIVE_STATES]),
-                Job.id.in_(select(JobAllocation.job_id).where(JobAllocation.node_name == node, JobAllocation.node_rank == 0)),
             )
-        )
-    )
+        ):
+            if port is not None:
+                used[node].add(port)
+    return used
+
+
+def _pick_master_port(used: set[int], *, base: int) -> int:
     port = base
     while port in used:
         port += 1
+    used.add(port)
     return port
 
 
@@ -234,6 +260,10 @@ def run_cycle(
     apply_decisions(session, decisions, settings=settings, now=now, current=current)
     if decisions.starts:
         faults.stop_point("scheduler_before_commit")
+    if lease is not None:
+        from hai.services.leader import renew
+
+        renew(session, lease)
     session.commit()
     return CycleResult(
         started=[s.job_id for s in decisions.starts],
@@ -292,7 +322,14 @@ def apply_decisions(
         | set(pending)
     )
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(sorted(ids))).with_for_update())} if ids else {}
-    nodes = {n.name: n for n in session.scalars(select(Node))}
+    # only the nodes this cycle hands GPUs on: their GPU numbering and address
+    placed = sorted({alloc.node for s in decisions.starts for alloc in s.allocations})
+    nodes = {
+        n.name: n
+        for n in session.execute(
+            select(Node.name, Node.address, Node.gpus, Node.gpu_indices).where(Node.name.in_(placed))
+        )
+    } if placed else {}
     indices = {name: gpu_indices(n) for name, n in nodes.items()}
 
     for demote in decisions.demotions:
@@ -303,6 +340,7 @@ def apply_decisions(
         record_event(session, job, demote.reason, now=now)
 
     started: list[JobAllocation] = []
+    ports = _used_master_ports(session, sorted({s.allocations[0].node for s in decisions.starts}))
     for start in decisions.starts:
         job = jobs.get(start.job_id)
         if job is None or job.state != JobState.QUEUED.value or job.user_suspended:
@@ -315,12 +353,12 @@ def apply_decisions(
             started.append(allocation)
         head = start.allocations[0].node
         job.master_addr = nodes[head].address if head in nodes else "127.0.0.1"
-        job.master_port = _pick_master_port(session, node=head, base=settings.agent.master_port_base)
+        job.master_port = _pick_master_port(ports[head], base=settings.agent.master_port_base)
         job.placement_reason = start.reason
-        session.flush()
         publish_after_commit(session, *(notify.node_topic(a.node) for a in start.allocations))
 
     if started:
+        session.flush()  # the allocations' ids
         hold_gpus(session, started)  # one INSERT for every GPU this cycle hands out
         session.flush()
 

@@ -55,6 +55,9 @@ class Node(Base):
     address: Mapped[str] = mapped_column(String(256), default="127.0.0.1")
     fake_gpus: Mapped[bool] = mapped_column(Boolean, default=False)
     gpu_inventory: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    # the agent's GPU numbering: NULL for 0..gpus-1, else its sorted NVML indices (what every
+    # scheduling cycle reads, instead of decoding every node's inventory; migration 0013)
+    gpu_indices: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
     gpu_metrics: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
     # issue 11: the latest heartbeat's GPU figures folded at heartbeat time (metrics_store.set_latest_gpus),
     # so the cluster summary and tree read two columns instead of scanning every node's JSON
