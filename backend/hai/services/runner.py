@@ -82,8 +82,12 @@ class SchedulerLoop:
         settings = self.platform.settings
         with self.platform.sessions() as session:
             reaper.mark_lost_nodes(session=session, settings=settings)
-        with self.platform.sessions() as session:
-            return run_cycle(session, settings=settings, lease=lease)
+        if self.platform.read_sessions is self.platform.sessions:  # PostgreSQL: reads never block a writer
+            with self.platform.sessions() as session:
+                return run_cycle(session, settings=settings, lease=lease)
+        # SQLite: plan in a deferred read, hold the write lock only to write (issue 12)
+        with self.platform.read_sessions() as reading, self.platform.sessions() as session:
+            return run_cycle(session, settings=settings, lease=lease, read_session=reading)
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="hai-scheduler", daemon=True)

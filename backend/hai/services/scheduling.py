@@ -192,9 +192,13 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
     return snapshot, current
 
 
-def _update_usage(session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float) -> dict[str, float]:
+def _update_usage(
+    session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float, write: bool = True
+) -> dict[str, float]:
     """Decay each user's GPU-seconds with the half-life and add what their running jobs used
-    since the last cycle. Returns the values as of ``now``."""
+    since the last cycle. Returns the values as of ``now``; ``write=False`` only computes them
+    (a cycle's planning read; the same call with ``write`` in its writing transaction stores
+    the same values)."""
     rows = {u.user_name: u for u in session.scalars(select(UserUsage))}
     gpus_by_user: dict[str, int] = {}
     for r in snapshot.running:
@@ -202,14 +206,16 @@ def _update_usage(session: Session, snapshot: sched.Snapshot, *, now: datetime, 
     result: dict[str, float] = {}
     for user in sorted(set(rows) | set(gpus_by_user)):
         row = rows.get(user)
-        if row is None:
-            row = UserUsage(user_name=user, gpu_s=0.0, updated_at=now)
-            session.add(row)
-        dt = max(0.0, (now - row.updated_at).total_seconds())
+        gpu_s, updated_at = (row.gpu_s, row.updated_at) if row is not None else (0.0, now)
+        dt = max(0.0, (now - updated_at).total_seconds())
         decay = 0.5 ** (dt / half_life_s) if half_life_s > 0 else 0.0
-        row.gpu_s = row.gpu_s * decay + gpus_by_user.get(user, 0) * dt
-        row.updated_at = now
-        result[user] = row.gpu_s
+        result[user] = gpu_s * decay + gpus_by_user.get(user, 0) * dt
+        if write:
+            if row is None:
+                row = UserUsage(user_name=user, gpu_s=0.0, updated_at=now)
+                session.add(row)
+            row.gpu_s = result[user]
+            row.updated_at = now
     return result
 
 
@@ -241,28 +247,44 @@ def _pick_master_port(used: set[int], *, base: int) -> int:
 
 
 def run_cycle(
-    session: Session, *, settings: Settings, now: datetime | None = None, lease: "Lease | None" = None
+    session: Session, *, settings: Settings, now: datetime | None = None, lease: "Lease | None" = None,
+    read_session: Session | None = None,
 ) -> CycleResult:
-    """One full cycle in one transaction. With ``lease`` (the scheduler process), the
-    transaction is fenced first: it fails with ``leader.Fenced`` and writes nothing unless
-    this leader's epoch is still current, and the rows it writes carry the epoch."""
-    if lease is not None:
-        from hai.services.leader import fence
+    """One full cycle; its decisions are written in one transaction. With ``lease`` (the
+    scheduler process), the writing transaction is fenced first: it fails with
+    ``leader.Fenced`` and writes nothing unless this leader's epoch is still current, and the
+    rows it writes carry the epoch.
 
+    ``read_session`` (SQLite): the snapshot is read and the cycle planned in that read-only
+    (deferred) transaction, and ``session`` takes the database's write lock only to fence and
+    write the decisions. Otherwise a cycle at 10,000 queued jobs held the write lock while it
+    planned and submissions queued behind it past the busy timeout ("database is locked",
+    issue 12). What changed in between is what apply_decisions re-checks anyway (a job no
+    longer queued or held is skipped; a GPU is held once by the database's own index), as on
+    PostgreSQL, whose reads never block a writer."""
+    from hai.services.leader import fence, renew
+
+    if lease is not None and read_session is None:
         fence(session, lease)
     now = now or utcnow()
-    snapshot, current = _load(session, now=now, lost_after_s=settings.agent.lost_after_s)
-    usage = _update_usage(session, snapshot, now=now, half_life_s=settings.scheduler.usage_half_life_s)
+    planner = read_session if read_session is not None else session
+    half_life_s = settings.scheduler.usage_half_life_s
+    snapshot, current = _load(planner, now=now, lost_after_s=settings.agent.lost_after_s)
+    usage = _update_usage(planner, snapshot, now=now, half_life_s=half_life_s, write=read_session is None)
+    if read_session is not None:
+        read_session.rollback()  # the planning read ends here
     snapshot = sched.Snapshot(
         nodes=snapshot.nodes, running=snapshot.running, queued=snapshot.queued, quotas=snapshot.quotas, usage=usage
     )
     decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp())
+    if read_session is not None:
+        if lease is not None:
+            fence(session, lease)  # the write lock from here to the commit
+        _update_usage(session, snapshot, now=now, half_life_s=half_life_s)
     apply_decisions(session, decisions, settings=settings, now=now, current=current)
     if decisions.starts:
         faults.stop_point("scheduler_before_commit")
     if lease is not None:
-        from hai.services.leader import renew
-
         renew(session, lease)
     session.commit()
     return CycleResult(
