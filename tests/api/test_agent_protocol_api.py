@@ -231,3 +231,22 @@ def test_agents_owning_some_gpus_of_a_host_get_their_own_indices(api):
     # held GPUs are seen as held: a second job does not fit
     api.submit(gpus_per_node=1)
     assert cycle(api).started == []
+
+
+def test_ranks_that_fenced_themselves_requeue_the_job_instead_of_failing_it(cluster):
+    """Issue 13: the agent reached the server again before the server had marked the node lost,
+    and reports ranks stopped by their lease (exit 143, stop cause 'fenced'): a restart, as if
+    the server had found the node lost; the other node's ranks are stopped."""
+    j = cluster.submit(nodes=2, gpus_per_node=8, job_type="torch")
+    assert cycle(cluster).started == [j["id"]]
+    for n, base in (("n0", 0), ("n1", 8)):
+        heartbeat(cluster, n, [running(j["id"], 1, list(range(base, base + 8)), local=True)])
+    assert job(cluster, j["id"])["state"] == "running"
+    fenced = exited(j["id"], 1, {r: 143 for r in range(8, 16)}, finished=True, stop_cause="fenced",
+                    stopped_reason="the agent did not reach the server within its lease")
+    heartbeat(cluster, "n1", [fenced])
+    body = job(cluster, j["id"])
+    assert body["state"] == "queued" and body["restarts"] == 1 and body["exit_code"] is None
+    assert "lost the server past its lease" in body["events"][-1]["reason"]
+    (a,) = heartbeat(cluster, "n0", [running(j["id"], 1, list(range(8)), local=True)])["assignments"]
+    assert a["action"] == "stop"

@@ -41,6 +41,13 @@ def facts(state: JobState, *reports: NodeReport, nodes: int | None = None, expec
 
 CASES = [
     # (name, facts, verdict, rule, reason contains, exit code)
+    ("a node's ranks fenced themselves: requeued, though the other node's rank failed in consequence",
+     facts(S.RUNNING, node(0, ex(r0=1)), node(1, ex(r1=143), finished=True, stop_cause=StopCause.FENCED,
+                                                stopped_reason="lease ran out")),
+     Verdict.REQUEUED, "fenced", "node n1's agent lost the server past its lease", None),
+    ("fenced while suspending: requeued, not a suspension",
+     facts(S.SUSPENDING, node(0, ex(r0=143), finished=True, stop_cause=StopCause.FENCED)),
+     Verdict.REQUEUED, "fenced", "requeued", None),
     ("launch error fails the job", facts(S.STARTING, node(0, launch_error="no such file: train.py")),
      Verdict.FAILED, "launch_failed", "could not launch on node n0: no such file", None),
     ("launch error fails a suspending job too", facts(S.SUSPENDING, node(0, run(0)), node(1, launch_error="boom")),
@@ -102,7 +109,8 @@ def test_no_rule_fires_yet(name, f):
 
 
 def test_rules_are_in_precedence_order_and_lead_to_legal_states():
-    assert [r.name for r in RULES] == ["launch_failed", "rank_failed", "suspended", "succeeded", "all_ranks_started"]
+    assert [r.name for r in RULES] == ["fenced", "launch_failed", "rank_failed", "suspended", "succeeded",
+                                      "all_ranks_started"]
     for rule in RULES:
         for state in rule.from_states:
             assert rule.to_state in allowed_targets(state), (rule.name, state)

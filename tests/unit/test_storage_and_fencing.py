@@ -101,3 +101,23 @@ def test_a_valid_lease_or_none_leaves_the_rank_alone(tmp_path):
     (tmp_path / "lease.json").unlink()
     rc, record, _ = _wrap(tmp_path, None, seconds=0.3)  # no lease: a server that sends none
     assert rc == 0 and "fenced" not in record
+
+
+def test_an_attempt_whose_ranks_fenced_themselves_reports_the_fenced_cause(tmp_path):
+    """The agent names it (StopCause.FENCED): the server then requeues the job instead of
+    failing it for the SIGTERM exit code (domain.outcomes: the fenced rule)."""
+    from hai.agent.gpu import FakeGpus
+    from hai.agent.node import NodeAgent
+    from hai.agent.testing import assignment, wait_for
+    from hai.protocol import StopCause
+
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(2, node="n1"), kill_grace_s=1.0)
+    try:
+        node.renew_lease(valid_until=time.time() - 1, grace_s=0.3)  # the agent has been cut off since
+        node.apply([assignment(1, [sys.executable, "-c", "import time; time.sleep(60)"], job_type="torch", gpus=[0, 1])])
+        st = wait_for(lambda: next((s for s in node.statuses() if s.finished), None), timeout=30, step=node.tick,
+                      what="the fenced attempt to finish")
+        assert st.stop_cause == StopCause.FENCED and "lease" in st.stopped_reason
+        assert [r.exit_code for r in st.ranks] == [143, 143]
+    finally:
+        node.stop_all()

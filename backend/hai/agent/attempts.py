@@ -152,9 +152,19 @@ class Attempt:
     def read_exit(self, r: Rank) -> int | None:
         """The exit code the rank's wrapper recorded, if it did."""
         try:
-            return int(json.loads(self.rank_path(r.rank, "exit").read_text())["exit_code"])
+            return int(self._exit_record(r)["exit_code"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def read_fenced(self, r: Rank) -> bool:
+        """The rank's wrapper stopped it because the agent's lease ran out (rankwrap --lease)."""
+        try:
+            return self._exit_record(r).get("fenced") is True
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _exit_record(self, r: Rank) -> dict:
+        return json.loads(self.rank_path(r.rank, "exit").read_text())
 
     def status(self) -> AttemptStatus:
         """The report the agent sends for this attempt."""

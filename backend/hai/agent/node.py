@@ -265,8 +265,9 @@ class NodeAgent:
         """SIGTERM to every live rank's process group; SIGKILL follows after the grace (tick)."""
         if att.stopping or att.finished:
             return
-        att.stop_cause = cause
-        att.stopped_reason = reason
+        if att.stop_cause != StopCause.FENCED:  # the other ranks stop because one was fenced: still fenced
+            att.stop_cause = cause
+            att.stopped_reason = reason
         att.term_sent_at = self.clock()
         for r in att.ranks:
             if not r.ended and r.pid is not None and self._rank_alive(r):
@@ -307,6 +308,11 @@ class NodeAgent:
                 return False
             code = att.read_exit(r)
             r.exit_code = code if code is not None else SIGKILL_EXIT
+        if att.stop_cause is None and att.read_fenced(r):
+            # issue 13: not the job's failure; the server requeues it (outcomes: fenced)
+            att.stop_cause = StopCause.FENCED
+            att.stopped_reason = ("the agent did not reach the server within its lease; the ranks stopped themselves "
+                                  "so that the job cannot run twice")
         r.ended = True
         r.popen = None
         return True

@@ -8,6 +8,9 @@ In the spirit of Prefect's orchestration rules, each rule names the states it ap
 ``from`` and the state it leads ``to``; :data:`RULES` holds them in precedence order, and the
 first rule that fires decides:
 
+0. ``fenced``             a node's agent lost the server past its lease
+                          and its ranks stopped themselves               -> queued
+                          (a restart, not the job's failure: issue 13)
 1. ``launch_failed``      a node could not launch the attempt            -> failed
 2. ``rank_failed``        a limit the agent enforced, or a rank that
                           exited non-zero (while suspending: exited
@@ -112,6 +115,7 @@ class AttemptReports:
 
 
 class Verdict(StrEnum):
+    REQUEUED = "requeued"  # the attempt ended for the infrastructure's sake: run it again
     FAILED = "failed"
     SUSPENDED = "suspended"
     SUCCEEDED = "succeeded"
@@ -133,6 +137,7 @@ class Outcome:
 
 
 _TARGET = {
+    Verdict.REQUEUED: JobState.QUEUED,
     Verdict.FAILED: JobState.FAILED,
     Verdict.SUSPENDED: JobState.QUEUED,
     Verdict.SUCCEEDED: JobState.SUCCEEDED,
@@ -150,6 +155,17 @@ class Rule:
 
 _STARTED = frozenset({JobState.STARTING, JobState.RUNNING})
 _ACTIVE = _STARTED | {JobState.SUSPENDING}
+
+
+def _fenced(f: AttemptReports) -> Outcome | None:
+    """A node whose agent could not reach the server stopped its ranks (the server is about to
+    give the job away, or has); the other nodes' ranks fail in consequence. Requeued at once,
+    as when the server itself finds the node lost."""
+    for r in f.reports:
+        if r.stop_cause == StopCause.FENCED:
+            return Outcome(Verdict.REQUEUED, "fenced",
+                           reason=f"node {r.node}'s agent lost the server past its lease and stopped the ranks; requeued")
+    return None
 
 
 def _launch_failed(f: AttemptReports) -> Outcome | None:
@@ -217,13 +233,14 @@ def _all_ranks_started(f: AttemptReports) -> Outcome | None:
     return Outcome(Verdict.RUNNING, "all_ranks_started", reason="all ranks started") if f.complete else None
 
 
+FENCED = Rule("fenced", _ACTIVE, JobState.QUEUED, _fenced)
 LAUNCH_FAILED = Rule("launch_failed", _ACTIVE, JobState.FAILED, _launch_failed)
 RANK_FAILED = Rule("rank_failed", _ACTIVE, JobState.FAILED, _rank_failed)
 SUSPENDED = Rule("suspended", frozenset({JobState.SUSPENDING}), JobState.QUEUED, _suspended)
 SUCCEEDED = Rule("succeeded", _ACTIVE, JobState.SUCCEEDED, _succeeded)
 ALL_RANKS_STARTED = Rule("all_ranks_started", frozenset({JobState.STARTING}), JobState.RUNNING, _all_ranks_started)
 
-RULES: tuple[Rule, ...] = (LAUNCH_FAILED, RANK_FAILED, SUSPENDED, SUCCEEDED, ALL_RANKS_STARTED)
+RULES: tuple[Rule, ...] = (FENCED, LAUNCH_FAILED, RANK_FAILED, SUSPENDED, SUCCEEDED, ALL_RANKS_STARTED)
 
 
 def judge(facts: AttemptReports) -> Outcome | None:

@@ -31,3 +31,6 @@ class StopCause(StrEnum):
     RANK_FAILED = "rank_failed"  # another rank of the attempt failed (or could not be started)
     UNASSIGNED = "unassigned"  # the server no longer assigns the attempt
     NOT_LAUNCHED = "not_launched"  # stop/suspend arrived for an attempt this node never launched
+    # issue 13: the agent had not reached the server within its lease, and the ranks stopped
+    # themselves (rankwrap --lease) before the server could give the job to another node
+    FENCED = "fenced"

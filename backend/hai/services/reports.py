@@ -182,6 +182,11 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> Outcome | None
         transition(session, job, JobState.SUCCEEDED, reason=outcome.reason, now=now)
     elif outcome.verdict == Verdict.SUSPENDED:
         _suspended(session, job, outcome, now=now)
+    elif outcome.verdict == Verdict.REQUEUED:  # as the reaper requeues a lost node's jobs
+        job.restarts += 1
+        job.move_cause = None
+        transition(session, job, JobState.QUEUED, reason=outcome.reason, now=now)
+        job.pending_reason = "requeued: " + outcome.reason.removesuffix("; requeued")
     else:
         transition(session, job, outcome.target, reason=outcome.reason, now=now)
     return outcome
