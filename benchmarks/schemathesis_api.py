@@ -1,7 +1,8 @@
 """Schemathesis against a real `hai server` (issue 13): every phase (examples, coverage, fuzzing,
-stateful), every check, positive and negative data (`--mode all`), twice — the whole user API
-with a user token, and the agent protocol with the node credential. Prints and writes the case
-counts and failures; exits 1 if either run found a problem.
+stateful), every check, positive and negative data (`--mode all`), three times — the whole
+user API with an admin's token and with a member's (a researcher's: every admin operation must
+refuse it as documented), and the agent protocol with the node credential. Prints and writes
+the case counts and failures; exits 1 if any run found a problem.
 
     .venv/bin/python benchmarks/schemathesis_api.py --max-examples 10 --agent-max-examples 40   # 1,000+ cases each
 
@@ -73,6 +74,11 @@ class Server:
     def __enter__(self) -> "Server":
         subprocess.run([sys.executable, "-m", "hai.cli.main", "migrate"], env=self.env, check=True,
                        capture_output=True, timeout=300)
+        # a researcher's token (not an admin): the admin operations must refuse it as documented
+        self.member = subprocess.run(
+            [sys.executable, "-m", "hai.cli.main", "admin", "create-user", "rita", "--group", "research"],
+            env=self.env, check=True, capture_output=True, text=True, timeout=300,
+        ).stdout.strip().splitlines()[-1]
         self.log = (self.tmp / "server.log").open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "hai.cli.main", "server", "--port", str(self.port)],
                                      env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.tmp)
@@ -170,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-examples", type=int, default=60, help="cases per operation and phase (schemathesis -n)")
     ap.add_argument("--agent-max-examples", type=int, default=None,
                     help="the same for the agent protocol's 3 operations (default: --max-examples)")
+    ap.add_argument("--member-max-examples", type=int, default=None,
+                    help="the same for the user API with a member's (not an admin's) token (default: --max-examples)")
     ap.add_argument("--seed", type=int, default=13)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "schemathesis")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "schemathesis.json")
@@ -180,12 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         results = [
             run_schemathesis(server, name="user-api", token=server.admin, tag_args=["--exclude-tag", "agent"],
                              max_examples=args.max_examples, seed=args.seed, out=args.out, max_time_s=args.max_time),
+            run_schemathesis(server, name="user-api-member", token=server.member, tag_args=["--exclude-tag", "agent"],
+                             max_examples=args.member_max_examples or args.max_examples, seed=args.seed, out=args.out,
+                             max_time_s=args.max_time),
             run_schemathesis(server, name="agent-protocol", token=server.agent, tag_args=["--include-tag", "agent"],
                              max_examples=args.agent_max_examples or args.max_examples, seed=args.seed, out=args.out, max_time_s=args.max_time),
         ]
         logged_5xx = server.server_errors_logged()
     load = os.getloadavg()
     doc = {"max_examples": args.max_examples, "agent_max_examples": args.agent_max_examples or args.max_examples,
+           "member_max_examples": args.member_max_examples or args.max_examples,
            "seed": args.seed, "load_average": load, "server_5xx_logged": logged_5xx,
            "runs": [asdict(r) | {"summary": None} for r in results]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
