@@ -14,12 +14,15 @@ from benchmarks.schemathesis_api import main
 
 def test_schemathesis_finds_nothing_in_the_api_or_the_agent_protocol(tmp_path):
     out = tmp_path / "st"
-    rc = main(["--max-examples", "3", "--out", str(out), "--json", str(tmp_path / "st.json")])
+    # the member's run leaves out the coverage phase here (the admin's run has it; the benchmark
+    # runs every phase for both): each operation gets examples, fuzzed and stateful cases
+    rc = main(["--max-examples", "3", "--member-phases", "examples,fuzzing,stateful",
+               "--out", str(out), "--json", str(tmp_path / "st.json")])
     doc = json.loads((tmp_path / "st.json").read_text())
     runs = {r["name"]: r for r in doc["runs"]}
     details = {name: (out / f"{name}.txt").read_text()[-3000:] for name in runs if runs[name]["exit_code"]}
     assert rc == 0, details
     user, member, agent = runs["user-api"], runs["user-api-member"], runs["agent-protocol"]
     assert user["operations"] >= 30 and member["operations"] == user["operations"] and agent["operations"] == 3, runs
-    assert user["cases"] > 100 and member["cases"] > 100 and agent["cases"] > 20, runs
+    assert user["cases"] > 100 and member["cases"] > 60 and agent["cases"] > 20, runs
     assert user["failures"] == member["failures"] == agent["failures"] == 0 and doc["server_5xx_logged"] == 0
