@@ -199,9 +199,21 @@ def low_job_yields_to_high_job_and_resumes_exactly(stack: Stack, *,
     assert "[attempt 1 rank 0] suspended at step" in logs
     step, checksum = final_step(logs)
 
-    # the same training, never interrupted, ends at the same step with the same parameters
-    ref = stack.submit(name="reference", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
-    done_ref = stack.wait_state(ref["id"], TERMINAL, timeout=240)
-    assert done_ref["state"] == "succeeded" and done_ref["suspensions"] == 0
-    assert (step, checksum) == final_step(stack.logs(ref["id"]))
+    # the same training, never interrupted, ends at the same step with the same parameters (run
+    # through the platform once per test session: gloo on the CPU gives the same result whichever
+    # executor ran it, agents or pods, so the second test compares with the first one's run)
+    assert (step, checksum) == _uninterrupted(stack, ddp)
     assert step == 150
+
+
+_REFERENCE: dict[tuple[str, ...], tuple[int, str]] = {}
+
+
+def _uninterrupted(stack: Stack, ddp: list[str]) -> tuple[int, str]:
+    key = tuple(ddp[1:])
+    if key not in _REFERENCE:
+        ref = stack.submit(name="reference", priority="LOW", nodes=2, gpus_per_node=2, job_type="torch", command=ddp)
+        done_ref = stack.wait_state(ref["id"], TERMINAL, timeout=240)
+        assert done_ref["state"] == "succeeded" and done_ref["suspensions"] == 0 and done_ref["attempt"] == 1
+        _REFERENCE[key] = final_step(stack.logs(ref["id"]))
+    return _REFERENCE[key]
