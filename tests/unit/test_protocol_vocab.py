@@ -14,8 +14,10 @@ from hai.protocol import Assignment, AttemptStatus, DesiredAction, StopCause
 
 
 def test_the_wire_strings_are_the_ones_of_protocol_version_1():
+    # "fenced" was added within version 1 (issue 13): a server that does not know a cause reads it
+    # as a string and does not fail the job for it (test_job_outcomes: "an unknown cause ...")
     assert [c.value for c in StopCause] == ["requested", "suspend", "suspend_timeout", "max_runtime", "log_watchdog",
-                                            "rank_failed", "unassigned", "not_launched"]
+                                            "rank_failed", "unassigned", "not_launched", "fenced"]
     assert [a.value for a in DesiredAction] == ["run", "suspend", "stop"]
     st = AttemptStatus(job_id=1, attempt=2, stop_cause=StopCause.SUSPEND_TIMEOUT)
     assert json.loads(st.model_dump_json())["stop_cause"] == "suspend_timeout"

@@ -1443,7 +1443,7 @@ export interface components {
          *     companion of ``stopped_reason``).
          * @enum {string}
          */
-        StopCause: "requested" | "suspend" | "suspend_timeout" | "max_runtime" | "log_watchdog" | "rank_failed" | "unassigned" | "not_launched";
+        StopCause: "requested" | "suspend" | "suspend_timeout" | "max_runtime" | "log_watchdog" | "rank_failed" | "unassigned" | "not_launched" | "fenced";
         /** TokenCreate */
         TokenCreate: {
             /**
