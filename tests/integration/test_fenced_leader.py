@@ -226,15 +226,20 @@ def test_leader_whose_lock_connection_dropped_is_replaced_at_once_and_fenced(api
     assert_each_gpu_held_once(pg_platform)
 
 
+def _platform_on(backend: str, request, tmp_path: Path) -> Platform:  # noqa: ANN001
+    """The ``pg_platform`` fixture's PostgreSQL, or an SQLite file migrated the same way."""
+    if backend == "postgresql":
+        return request.getfixturevalue("pg_platform")
+    url = f"sqlite:///{tmp_path / 'hai.db'}"
+    upgrade(url)
+    platform = Platform.from_settings(Settings(data_dir=tmp_path, db={"url": url}, frontend_dist=tmp_path / "none"))
+    request.addfinalizer(platform.close)
+    return platform
+
+
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_the_database_refuses_to_give_a_gpu_twice(backend, request, tmp_path):
-    if backend == "postgresql":
-        platform = request.getfixturevalue("pg_platform")
-    else:
-        url = f"sqlite:///{tmp_path / 'hai.db'}"
-        upgrade(url)
-        platform = Platform.from_settings(Settings(data_dir=tmp_path, db={"url": url}, frontend_dist=tmp_path / "none"))
-        request.addfinalizer(platform.close)
+    platform = _platform_on(backend, request, tmp_path)
     with TestClient(create_app(platform)) as client:
         api = Api(client, platform)
         api.register_node("p0", gpus=8)
@@ -332,13 +337,7 @@ def test_a_cycle_longer_than_the_lease_does_not_fence_its_own_leader(backend, re
 
     from hai.services.leader import Fenced, fence, leadership
 
-    if backend == "postgresql":
-        platform = request.getfixturevalue("pg_platform")
-    else:
-        url = f"sqlite:///{tmp_path / 'hai.db'}"
-        upgrade(url)
-        platform = Platform.from_settings(Settings(data_dir=tmp_path, db={"url": url}, frontend_dist=tmp_path / "none"))
-        request.addfinalizer(platform.close)
+    platform = _platform_on(backend, request, tmp_path)
 
     def run_out(s) -> None:  # noqa: ANN001 - the lease ends while the cycle's transaction runs
         s.execute(text("UPDATE scheduler_leases SET expires_at = :t"), {"t": datetime(2000, 1, 1)})

@@ -151,20 +151,16 @@ class Attempt:
 
     def read_exit(self, r: Rank) -> int | None:
         """The exit code the rank's wrapper recorded, if it did."""
-        try:
-            return int(self._exit_record(r)["exit_code"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return self.read_exit_record(r)[0]
 
-    def read_fenced(self, r: Rank) -> bool:
-        """The rank's wrapper stopped it because the agent's lease ran out (rankwrap --lease)."""
+    def read_exit_record(self, r: Rank) -> tuple[int | None, bool]:
+        """The exit code the rank's wrapper recorded (None: none yet), and whether the wrapper
+        stopped the rank because the agent's lease ran out (rankwrap --lease), from one read."""
         try:
-            return self._exit_record(r).get("fenced") is True
-        except (OSError, ValueError, AttributeError):
-            return False
-
-    def _exit_record(self, r: Rank) -> dict:
-        return json.loads(self.rank_path(r.rank, "exit").read_text())
+            record = json.loads(self.rank_path(r.rank, "exit").read_text())
+            return int(record["exit_code"]), record.get("fenced") is True
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None, False
 
     def status(self) -> AttemptStatus:
         """The report the agent sends for this attempt."""

@@ -299,16 +299,16 @@ class NodeAgent:
             rc = r.popen.poll()  # type: ignore[attr-defined]
             if rc is None:
                 return False
-            code = att.read_exit(r)
+            code, fenced = att.read_exit_record(r)
             r.exit_code = code if code is not None else exit_code_from_returncode(rc)
             # the wrapper cleans up after its command; if the wrapper itself was killed, sweep
             signal_group(r.pid, 9)
         else:
             if is_alive(r.pid, r.start_ticks):
                 return False
-            code = att.read_exit(r)
+            code, fenced = att.read_exit_record(r)
             r.exit_code = code if code is not None else SIGKILL_EXIT
-        if att.stop_cause is None and att.read_fenced(r):
+        if fenced and att.stop_cause is None:
             # issue 13: not the job's failure; the server requeues it (outcomes: fenced)
             att.stop_cause = StopCause.FENCED
             att.stopped_reason = ("the agent did not reach the server within its lease; the ranks stopped themselves "

@@ -68,6 +68,15 @@ def transition(session: Session, job: Job, target: JobState, *, reason: str, now
     publish_after_commit(session, notify.SCHEDULER, notify.job_topic(job.id), *_node_topics(job))
 
 
+def requeue_as_restart(session: Session, job: Job, *, reason: str, pending_reason: str, now: datetime) -> None:
+    """The attempt ended for the infrastructure's sake (a node lost or faulty, ranks that fenced
+    themselves): back to the queue as a restart, not the job's failure nor a suspension."""
+    job.restarts += 1
+    job.move_cause = None
+    transition(session, job, JobState.QUEUED, reason=reason, now=now)
+    job.pending_reason = pending_reason
+
+
 def _node_topics(job: Job) -> list[str]:
     return [notify.node_topic(a.node_name) for a in job.allocations if a.active]
 

@@ -34,7 +34,7 @@ from hai.services import notify
 from hai.services.auth import Principal
 from hai.services.context import Platform
 from hai.services.errors import ChecksFailed, Conflict, NotFound
-from hai.services.jobs import publish_after_commit, transition
+from hai.services.jobs import publish_after_commit, requeue_as_restart, transition
 from hai.services.node_state import set_node_state
 from hai.settings import Settings, get_settings
 
@@ -415,15 +415,13 @@ def on_job_failing(session: Session, job: Job, *, reason: str, settings: Setting
 
 
 def _requeue_restart(session: Session, job: Job, node: Node, reason: str, now: datetime) -> None:
-    job.restarts += 1
-    job.move_cause = None
     job.exit_code = None
     job.failure_reason = None
-    transition(session, job, JobState.QUEUED, now=now,
-               reason=f"{reason}; node {node.name} is faulty ({node.state_reason}): requeued from its last "
-                      "checkpoint as a restart, not the job's failure")
+    requeue_as_restart(session, job, now=now,
+                       reason=f"{reason}; node {node.name} is faulty ({node.state_reason}): requeued from its last "
+                              "checkpoint as a restart, not the job's failure",
+                       pending_reason=f"requeued after node {node.name} was found faulty")
     job.finished_at = None
-    job.pending_reason = f"requeued after node {node.name} was found faulty"
 
 
 def requeue_recent_failures(session: Session, node: Node, *, window_s: float, now: datetime) -> list[int]:

@@ -15,7 +15,7 @@ from hai.db.models import JobAllocation, Node
 from hai.domain.jobs import ACTIVE_STATES, JobState
 from hai.domain.nodes import NodeState
 from hai.services import notify
-from hai.services.jobs import publish_after_commit, transition
+from hai.services.jobs import publish_after_commit, requeue_as_restart
 from hai.services.node_state import set_node_state
 from hai.services.reports import release
 from hai.settings import Settings
@@ -60,10 +60,8 @@ def mark_lost_nodes(*, session: Session, settings: Settings, now: datetime | Non
             release(alloc, now)
             job = alloc.job
             if alloc.attempt == job.attempt and JobState(job.state) in ACTIVE_STATES:
-                job.restarts += 1
-                job.move_cause = None
-                transition(session, job, JobState.QUEUED, reason=f"node {node.name} was lost; requeued", now=now)
-                job.pending_reason = f"requeued after node {node.name} was lost"
+                requeue_as_restart(session, job, reason=f"node {node.name} was lost; requeued", now=now,
+                                   pending_reason=f"requeued after node {node.name} was lost")
     if lost:
         publish_after_commit(session, notify.SCHEDULER)
     session.commit()

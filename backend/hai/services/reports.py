@@ -22,7 +22,7 @@ from hai.domain.outcomes import AttemptReports, NodeReport, Outcome, RankReport,
 from hai.protocol import Assignment, AttemptStatus, DesiredAction
 from hai.services import node_health
 from hai.services.assignments import expected_ranks
-from hai.services.jobs import record_event, transition
+from hai.services.jobs import record_event, requeue_as_restart, transition
 from hai.settings import get_settings
 
 
@@ -183,10 +183,8 @@ def evaluate_job(session: Session, job: Job, *, now: datetime) -> Outcome | None
     elif outcome.verdict == Verdict.SUSPENDED:
         _suspended(session, job, outcome, now=now)
     elif outcome.verdict == Verdict.REQUEUED:  # as the reaper requeues a lost node's jobs
-        job.restarts += 1
-        job.move_cause = None
-        transition(session, job, JobState.QUEUED, reason=outcome.reason, now=now)
-        job.pending_reason = "requeued: " + outcome.reason.removesuffix("; requeued")
+        requeue_as_restart(session, job, reason=outcome.reason, now=now,
+                           pending_reason="requeued: " + outcome.reason.removesuffix("; requeued"))
     else:
         transition(session, job, outcome.target, reason=outcome.reason, now=now)
     return outcome
