@@ -334,3 +334,22 @@ def test_simulator_calls_the_same_domain_scheduler():
     s = Simulation(one_node(), [tj(1, 0, 1)], policy=Policy())
     assert s.scheduler is schedule
     assert from_crux  # the converter is importable from the domain
+
+
+@pytest.mark.parametrize("classes, expect_ok", [((1000.0,), True), ((), False)])
+def test_the_fewest_leaves_check_reads_the_queue_in_the_policys_order(classes, expect_ok):
+    """A node reserved in this cycle by a job that comes first in the policy's queue was not
+    usable. With least attained service on, a later job of a lower service class comes first:
+    job 2 (class 0, submitted after) reserved node 1 this cycle, so job 1 (class 1: 2,000
+    GPU-seconds attained) had one idle node on each leaf and two leaves were the fewest. In
+    FIFO order (no classes) job 2 comes after job 1, node 1 was usable, and one leaf was."""
+    sim = Simulation(fire_flyer(nodes=4, zones=1, nodes_per_leaf=2), [tj(1, 0, 5000, gpus=16), tj(2, 10, 5000), tj(3, 0, 9e5)],
+                     policy=Policy(service_classes_gpu_s=classes))  # fmt: skip
+    n = [node.name for node in sim.nodes]
+    leaves = [node.leaf for node in sim.nodes]
+    assert leaves[0] == leaves[1] != leaves[2] == leaves[3]  # two leaves: nodes 0, 1 | nodes 2, 3
+    sim._hold(sim.jobs[3], (Allocation(n[3], tuple(range(8))),))  # job 3 runs on node 3
+    x, owner = sim.jobs[1], sim.jobs[2]
+    x.attained, x.queued_since, owner.queued_since = 2000.0, 0.0, 10.0
+    allocs = (Allocation(n[0], tuple(range(8))), Allocation(n[2], tuple(range(8))))
+    assert sim._min_leaves_ok(x, allocs, before={}, after={2: (n[1],)}, t=20.0) is expect_ok

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_right
 import statistics
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler import schedule as hai_schedule
+from hai.domain.scheduler.core import service_class
 from hai.domain.scheduler.model import (
     Decisions,
     NodeView,
@@ -494,7 +496,7 @@ class Simulation:
             if tj.nodes > 1:
                 self.multi_node_starts += 1
                 self.multi_node_jobs[tj.id] = True
-                if self._min_leaves_ok(j, st.allocations, old_res, d.reservations):
+                if self._min_leaves_ok(j, st.allocations, old_res, d.reservations, t):
                     self.min_leaf_ok += 1
             if quota is not None:
                 quota.charge(tj.group, j.priority.rank, tj.user, tj.gpus)
@@ -545,7 +547,18 @@ class Simulation:
                 self._wake_at = w
                 self._push(w, _W_CYCLE, 0, 0)
 
-    def _min_leaves_ok(self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]]) -> bool:
+    def _queue_order_key(self, j: _Job, t: float) -> tuple:
+        """A queued job's place in the order the hai policy walks the queue this cycle: level
+        (high first), then its service class when least attained service is on, then first
+        submission and id (``hai.domain.scheduler.core``)."""
+        c = 0
+        if self.policy.service_classes_gpu_s and not self.baseline:
+            c = service_class(self.policy, j.attained, j.t.gpus, t - j.queued_since)
+        return (-j.priority.rank, c, j.t.submit_s, j.t.id)
+
+    def _min_leaves_ok(
+        self, j: _Job, allocs, before: dict[int, tuple[str, ...]], after: dict[int, tuple[str, ...]], t: float
+    ) -> bool:
         """Was this multi-node start on the fewest leaves possible given the idle nodes it could
         use at its turn in the cycle? An idle node reserved for another job of its priority or
         higher was not usable: if that owner comes before it in queue order, when the owner still
@@ -553,7 +566,7 @@ class Simulation:
         before the cycle. Every other idle node counts."""
         blocked: dict[str, int] = {}
         rank = j.priority.rank
-        me = (-rank, j.t.submit_s, j.t.id)
+        me = self._queue_order_key(j, t)
         mine = {a.node for a in allocs}  # what it got was evidently usable to it
         for owner in dict.fromkeys(list(before) + list(after)):
             if owner == j.t.id:
@@ -561,7 +574,7 @@ class Simulation:
             oj = self.jobs.get(owner)
             if oj is None or oj.priority.rank < rank:
                 continue
-            ahead = (-oj.priority.rank, oj.t.submit_s, oj.t.id) < me
+            ahead = self._queue_order_key(oj, t) < me
             names = after.get(owner, ()) if ahead else before.get(owner, ())
             for name in names:
                 if name in mine:
@@ -611,19 +624,20 @@ class Simulation:
         th = self.policy.service_classes_gpu_s
         mr = self.policy.min_runtime_s
         qf = self.policy.service_quantum_factor
+        nth = len(th)
         best = None
         for j in self.running.values():
             if j.state != _RUNNING:
                 continue
             g = j.t.gpus
-            a = j.attained + (t - j.attempt_start) * g
-            for x in th:
-                if x > a:
-                    w = t + (x - a) / g
-                    if best is None or w < best:
-                        best = w
-                    break
-            w = j.attempt_start + max(mr, qf * j.attained / max(1, g))
+            start = j.attempt_start
+            a = j.attained + (t - start) * g
+            k = bisect_right(th, a)  # the first threshold above its attained service
+            if k < nth:
+                w = t + (th[k] - a) / g
+                if best is None or w < best:
+                    best = w
+            w = start + (max(mr, qf * j.attained / max(1, g)) if qf else mr)
             if w > t and (best is None or w < best):
                 best = w
         return best + self.eps if best is not None else None

@@ -128,6 +128,18 @@ def _levels(queued: tuple[QueuedJob, ...]) -> tuple[list[tuple[int, list[QueuedJ
     return levels, (list(levels[0][1]) if len(levels) == 1 else list(chain.from_iterable(js for _, js in levels)))
 
 
+def service_class(policy: Policy, attained_gpu_s: float, gpus: int, waited_s: float) -> int:
+    """A waiting job's service class under least attained service (0 = least): how many of
+    ``policy.service_classes_gpu_s`` its attained GPU-time has reached; back to 0 once it has
+    waited (since it re-entered the queue) ``starvation_factor`` times its executed time.
+    Within a priority level the queue is ordered by it, then by first submission."""
+    c = bisect_right(policy.service_classes_gpu_s, attained_gpu_s)
+    f = policy.starvation_factor
+    if c and f > 0 and waited_s >= f * (attained_gpu_s / max(1, gpus)):
+        c = 0  # starved: promoted to the first class
+    return c
+
+
 class _Cycle:
     """One cycle's state: its owners (index, facts, quota, reservations, memo) and the few
     counters the script itself keeps (plans applied against the per-cycle cap, cached bounds
@@ -497,13 +509,7 @@ class _Cycle:
 
     # -- least attained service within a level ----------------------------------------------------
     def _service_class(self, job: QueuedJob) -> int:
-        c = bisect_right(self.classes, job.attained_gpu_s)
-        f = self.policy.starvation_factor
-        if c and f > 0:
-            executed = job.attained_gpu_s / max(1, job.gpu_count)
-            if self.now - job.queued_at >= f * executed:
-                c = 0  # starved: promoted to the first class
-        return c
+        return service_class(self.policy, job.attained_gpu_s, job.gpu_count, self.now - job.queued_at)
 
     def _order_by_service(self) -> None:
         """Each level by service class (least attained service first), FIFO within a class."""
@@ -540,19 +546,26 @@ class _Cycle:
             qf = pol.service_quantum_factor
             eff, susp = self.facts.eff_rank, self.facts.susp_mark
             by_name = self.index.by_name
+            th0, min_rt = th[0], pol.min_runtime_s
             for i, r in enumerate(self.snap.running):
-                if susp[i] or len(r.allocations) != 1:
+                allocs = r.allocations
+                if susp[i] or len(allocs) != 1:
                     continue
                 ran = now - r.started_at
-                g = r.gpu_count
-                mr = r.min_runtime_s if r.min_runtime_s is not None else pol.min_runtime_s
-                if ran < mr or (qf and ran < qf * r.attained_gpu_s / max(1, g)):
-                    continue  # its minimum runtime, or the quantum its attained service earned
-                attained = r.attained_gpu_s + ran * g
-                c = bisect_right(th, attained)
-                slot = by_name.get(r.allocations[0].node)
-                if c == 0 or slot is None:
+                mr = r.min_runtime_s
+                if ran < (min_rt if mr is None else mr):
+                    continue  # its minimum runtime
+                g = len(allocs[0].gpus)  # its GPU count (one allocation)
+                a0 = r.attained_gpu_s
+                if qf and ran < qf * a0 / (g if g > 1 else 1):
+                    continue  # the quantum its attained service earned
+                attained = a0 + ran * g
+                if attained < th0:
+                    continue  # service class 0: never a victim here
+                slot = by_name.get(allocs[0].node)
+                if slot is None:
                     continue
+                c = bisect_right(th, attained)
                 since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
                 nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
             for lst in nodes.values():
