@@ -314,7 +314,7 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
     for node, zone, leaf in layout:
         procs.start(HAI + ["agent", "--server", base, "--token", agent_token, "--node", node, "--zone", zone,
                            "--leaf", leaf, "--fake-gpus", "8", "--state-dir", str(work / "agents" / node),
-                           "--address", "127.0.0.1", "--stop-jobs-on-exit"], env=env, log=work / f"{node}.log")
+                           "--address", "127.0.0.1", "--stop-jobs-on-exit", "--ranks-as-agent-user"], env=env, log=work / f"{node}.log")
     yield base, token, {"server": [server.pid], "scheduler": [sched.pid]}
 
 

@@ -86,7 +86,7 @@ class Platform:
                 hai + ["agent", "--server", self.url, "--token", agent_token, "--node", f"gpu-node-{i}",
                        "--zone", "A", "--leaf", f"A{i + 1}", "--state-dir", str(work / f"agent{i}"),
                        "--checkpoint-root", str(work / "checkpoints"), "--address", "127.0.0.1",
-                       "--stop-jobs-on-exit", *gpu_args],
+                       "--stop-jobs-on-exit", "--ranks-as-agent-user", *gpu_args],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         self.http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin}"}, timeout=30)
         wait_for(lambda: len([n for n in self.http.get("/api/v1/nodes").json() if n["state"] == "ready"]) == agents,

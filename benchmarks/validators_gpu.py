@@ -101,7 +101,7 @@ def main() -> int:
         procs.append(subprocess.Popen(
             hai + ["agent", "--server", url, "--token", agent_token, "--node", node, "--zone", "A", "--leaf", "A1",
                    "--state-dir", str(work / "agent"), "--checkpoint-root", str(work / "checkpoints"),
-                   "--address", "127.0.0.1", "--stop-jobs-on-exit", *gpu_args],
+                   "--address", "127.0.0.1", "--stop-jobs-on-exit", "--ranks-as-agent-user", *gpu_args],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=httpx.Timeout(30, read=None))
         wait_for(lambda: any(n["name"] == node and n["state"] == "ready" for n in http.get("/api/v1/nodes").json()),

@@ -92,7 +92,7 @@ def _start_agent(stack, tmp_path: Path, node: str, *extra: str) -> subprocess.Po
     token = (stack.data_dir / "agent-token").read_text().strip()
     cmd = [sys.executable, "-m", "hai.cli.main", "agent", "--server", stack.url, "--token", token, "--node", node,
            "--zone", "A", "--leaf", "A1", "--fake-gpus", "2", "--state-dir", str(tmp_path / "agents" / node),
-           "--address", "127.0.0.1", "--stop-jobs-on-exit",
+           "--address", "127.0.0.1", "--stop-jobs-on-exit", "--ranks-as-agent-user",
            "--checkpoint-root", str((stack.data_dir / "checkpoints").resolve()), *extra]
     return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             stdout=(tmp_path / f"{node}.log").open("w"), stderr=subprocess.STDOUT)

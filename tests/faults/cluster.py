@@ -237,7 +237,7 @@ class Cluster:
                 [py, "-m", "hai.cli.main", "agent", "--server", server, "--token", self.agent_token, "--node", name,
                  "--zone", "A", "--leaf", f"L{i // 2}", "--fake-gpus", str(gpus),
                  "--state-dir", str(self.tmp / "agents" / name), "--checkpoint-root", str(self.checkpoints),
-                 "--kill-grace-s", "3", *self.agent_args],
+                 "--kill-grace-s", "3", "--ranks-as-agent-user", *self.agent_args],
                 env, self.tmp / f"agent-{name}.log", self.tmp)
 
     # ------------------------------------------------------------------ life cycle

@@ -110,7 +110,7 @@ def test_two_api_replicas_with_agents_split_between_them(with_redis, pg_url, red
         for node, replica in talks_to.items():
             procs.start(f"agent-{node}", "agent", "--server", urls[replica], "--token", AGENT, "--node", node,
                         "--zone", "A", "--leaf", "A1", "--fake-gpus", "2", "--state-dir", str(tmp_path / node),
-                        "--address", "127.0.0.1", "--stop-jobs-on-exit")
+                        "--address", "127.0.0.1", "--stop-jobs-on-exit", "--ranks-as-agent-user")
         admin = {"Authorization": f"Bearer {ADMIN}"}
         wait_for(lambda: sorted(n["name"] for n in httpx.get(f"{urls['b']}/api/v1/nodes", headers=admin).json()
                                 if n["state"] == "ready") == ["n0", "n1"], timeout=120, what="both agents to register")

@@ -89,7 +89,8 @@ class Service:
 
 
 class ComposeRun:
-    def __init__(self, *, spec: dict, image_env: dict[str, str], installed: Installed, tmp: Path, pg_url: str, redis_url: str):
+    def __init__(self, *, spec: dict, image_env: dict[str, str], installed: Installed, tmp: Path, pg_url: str, redis_url: str,
+                 image_user: str = "root"):
         self.spec, self.installed, self.tmp = spec, installed, tmp
         services = spec["services"]
         # services built from this repository run as processes; the others are the test's servers
@@ -111,6 +112,11 @@ class ComposeRun:
             # the image's venv is this install's; the base image's own PATH is this machine's
             env["PATH"] = env["PATH"].replace("/opt/venv/bin", str(installed.bin)).rstrip(os.pathsep)
             env["PATH"] = os.pathsep.join([env["PATH"], *_foreign_path()])
+            if image_user not in ("root", "0") and "user" not in s and os.geteuid() == 0:
+                # the container would run as the image's USER, not root; these processes run as
+                # this machine's root, which a root agent with no user map refuses: tell it what
+                # it would be in the container (ranks as its own, non-root, user)
+                env["HAI_AGENT_RANKS_AS_AGENT_USER"] = "1"
             svc.env = installed.env(**{k: self.rewrite_value(v, svc, mounts) for k, v in env.items()}, HOME=str(svc.root))
             self.services[name] = svc
         graph = {n: [d for d in (s.get("depends_on") or {}) if d in self.ours] for n, s in self.ours.items()}
@@ -234,8 +240,9 @@ def test_the_compose_stack_runs_as_written_and_a_job_succeeds(installed, tmp_pat
     spec = interpolate(yaml.safe_load((REPO / "docker-compose.yml").read_text()), variables)
     image = DockerfileParser(str(REPO / "deploy" / "Dockerfile"))
     image_env = dict(image.envs)  # the last (runtime) stage's ENV ($PATH of the base resolves to "")
+    image_user = [i["value"] for i in image.structure if i["instruction"] == "USER"][-1]
     compose = ComposeRun(spec=spec, image_env=image_env, installed=installed, tmp=tmp_path / "stack",
-                         pg_url=pg_url, redis_url=redis_url)
+                         pg_url=pg_url, redis_url=redis_url, image_user=image_user)
     assert compose.order.index("migrate") < compose.order.index("api") < compose.order.index("agent-1")
     agents = [n for n in compose.order if n.startswith("agent")]
     assert len(agents) == 2

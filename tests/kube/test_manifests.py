@@ -140,3 +140,21 @@ def test_every_manifest_applies_to_the_emulator(cluster):
     assert [d.metadata.name for d in apps.list_namespaced_daemon_set("hai").items] == ["hai-agent"]
     sa = core.read_namespaced_service_account("hai-backend", "hai")
     assert sa.metadata.name == "hai-backend"
+
+
+def test_the_agent_daemonset_runs_as_root_only_with_a_user_map_from_the_manifests():
+    """Issue 13: a root agent starts ranks under the accounts the admin maps; without a user map
+    it would not start (hai.agent.users.root_without_user_map)."""
+    from hai.agent.users import root_without_user_map, parse_user_map
+
+    ds = next(d for d in _docs() if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "hai-agent")
+    pod = ds["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["securityContext"]["runAsUser"] == 0
+    cmd = c["command"]
+    path = cmd[cmd.index("--user-map") + 1]
+    assert root_without_user_map(0, path, False) is None and "--ranks-as-agent-user" not in cmd
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    cm = next(d for d in _docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"])
+    assert parse_user_map(cm["data"][path[len(mount["mountPath"].rstrip("/")) + 1:]]) == {}  # the admin fills it in

@@ -177,7 +177,7 @@ class AgentThread:
             try:
                 run_agent(server=server_url, token=TOKEN, node=node, zone="A", leaf="A1", fake_gpus=2,
                           state_dir=str(state_dir), heartbeat_wait_s=wait_s, stop_event=self.stop_event,
-                          kill_grace_s=2.0, backoff_max_s=1.0, **kw)
+                          kill_grace_s=2.0, backoff_max_s=1.0, ranks_as_agent_user=True, **kw)
             except BaseException as e:  # noqa: BLE001 - surfaced to the test
                 self.error = e
 
@@ -302,7 +302,7 @@ def test_protocol_version_refused_exits_with_a_clear_message(tmp_path):
     try:
         with pytest.raises(SystemExit) as e:
             run_agent(server=s.url, token=TOKEN, node="n1", zone=None, leaf=None, fake_gpus=1,
-                      state_dir=str(tmp_path / "state"), stop_event=threading.Event())
+                      state_dir=str(tmp_path / "state"), stop_event=threading.Event(), ranks_as_agent_user=True)
         assert "protocol version" in str(e.value)
     finally:
         s.stop()
@@ -367,7 +367,7 @@ def test_an_agent_killed_mid_job_is_restarted_and_reattaches(server, tmp_path):
     """)
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO); from hai.agent.main import run_agent; "
             f"run_agent(server={server.url!r}, token={TOKEN!r}, node='n1', zone=None, leaf=None, fake_gpus=1, "
-            f"state_dir={str(state)!r}, heartbeat_wait_s=2.0, backoff_max_s=1.0)")
+            f"state_dir={str(state)!r}, heartbeat_wait_s=2.0, backoff_max_s=1.0, ranks_as_agent_user=True)")
     a = assignment(5, [PY, script], attempt=1)
     server.assign("n1", a)
     first = subprocess.Popen([PY, "-c", code])

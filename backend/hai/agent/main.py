@@ -37,7 +37,7 @@ from hai.agent.logs import LogBuffer, LogShipper
 from hai.agent.node import NodeAgent
 from hai.agent.faults import FaultEffects, FaultPlan  # issue 10
 from hai.agent.validators import Validator, make_context  # issue 10
-from hai.agent.users import UserMap
+from hai.agent.users import UserMap, root_without_user_map
 from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
 
 log = logging.getLogger("hai.agent")
@@ -130,6 +130,7 @@ class AgentOptions:
     sysfs: str = "/sys"
     inject_faults: tuple[str, ...] | None = None  # fake GPUs: KIND[@SECONDS] (agent/faults.py; issue 10)
     user_map: str | None = None  # issue 13: ranks run as the submitter's Unix account (agent/users.py)
+    ranks_as_agent_user: bool = False  # development: no user map, ranks as the agent's user even as root
 
     def gpu_backend(self) -> GpuBackend:
         indices = self.gpu_indices
@@ -420,12 +421,17 @@ def run_agent(options: AgentOptions | None = None, *, stop_event: threading.Even
 
     Configured by ``options``, or by its fields as keywords (``run_agent(server=..., token=...,
     node=..., state_dir=..., fake_gpus=2)``); see :class:`AgentOptions`.
-    Raises SystemExit with a clear message when the server refuses the protocol version (426).
+    Raises SystemExit with a clear message when the server refuses the protocol version (426),
+    and before anything starts when it runs as root with no user map (every user's ranks would
+    run as root) unless ``ranks_as_agent_user`` (development) says so.
     """
     if options is None:
         options = AgentOptions(**fields)
     elif fields:
         options = replace(options, **fields)
+    refusal = root_without_user_map(os.geteuid(), options.user_map, options.ranks_as_agent_user)
+    if refusal:
+        raise SystemExit(f"hai agent: {refusal}")
     agent = Agent(options, stop_event=stop_event)
     try:
         agent.run()

@@ -6,7 +6,10 @@ user, and gives that account the job's checkpoint and log folders (mode 0700). A
 mapping, or one mapped to root, is refused with a clear reason: the attempt fails to launch and
 the job fails with that reason. Nothing is ever run as root on a user's behalf.
 
-Without a user map (development: ``hai dev``, a laptop) ranks run as the agent's own user.
+Without a user map (development: ``hai dev``, a laptop) ranks run as the agent's own user. An
+agent running as root without a user map would run every user's ranks as root, so ``hai agent``
+refuses to start that way (``root_without_user_map``) unless told ``--ranks-as-agent-user``
+(development only; ``hai dev`` passes it).
 
 The file, one mapping a line (``#`` starts a comment)::
 
@@ -84,6 +87,18 @@ class UserMap:
             raise UnmappedUser(f"user {user!r} is mapped to {name!r}, a root account; jobs never run as root")
         groups = tuple(sorted({g for g in os.getgrouplist(name, pw.pw_gid) if g != 0}))
         return Account(name=name, uid=pw.pw_uid, gid=pw.pw_gid, groups=groups, home=pw.pw_dir)
+
+
+def root_without_user_map(euid: int, user_map: str | None, ranks_as_agent_user: bool) -> str | None:
+    """Why an agent must not start this way (None: it may): as root, with no user map, every
+    user's ranks would run as root."""
+    if euid != 0 or user_map or ranks_as_agent_user:
+        return None
+    return (
+        "the agent runs as root and has no user map, so every user's ranks would run as root. "
+        "Give --user-map FILE (HAI_AGENT_USER_MAP: one 'platform-user unix-account' a line), "
+        "or, for development only, --ranks-as-agent-user (HAI_AGENT_RANKS_AS_AGENT_USER=1)"
+    )
 
 
 def own_private(path: Path, account: Account | None) -> None:

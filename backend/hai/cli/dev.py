@@ -104,6 +104,8 @@ class DevStack:
                 "--zone", zone, "--leaf", leaf, "--fake-gpus", str(self.gpus_per_agent),
                 "--state-dir", str((self.data_dir / "agents" / node).resolve()),
                 "--address", "127.0.0.1", "--stop-jobs-on-exit",
+                # development: ranks run as this process's user (a user map, if set, still wins)
+                "--ranks-as-agent-user",
                 # one checkpoint folder for all dev nodes, as a shared filesystem would be
                 "--checkpoint-root", str((self.data_dir / "checkpoints").resolve()),
             ]

@@ -151,6 +151,10 @@ def agent(
         envvar="HAI_AGENT_USER_MAP",
         help="file mapping platform users to Unix accounts: ranks run as the submitter (production; "
              "the agent runs as root). Without it ranks run as the agent's own user")] = None,
+    ranks_as_agent_user: Annotated[bool, typer.Option(
+        envvar="HAI_AGENT_RANKS_AS_AGENT_USER",
+        help="development only: with no --user-map, run ranks as the agent's own user even when that is root "
+             "(without this flag a root agent with no user map refuses to start)")] = False,
     kill_grace_s: Annotated[float, typer.Option(min=0, help="SIGTERM to SIGKILL")] = 10.0,
     stop_jobs_on_exit: Annotated[bool, typer.Option(help="stop running jobs when the agent exits")] = False,
     inject_faults: Annotated[list[str] | None, typer.Option(
@@ -159,6 +163,12 @@ def agent(
     """Run the node agent."""
     from hai.agent.faults import BadFaultSpec, parse_fault
     from hai.agent.main import AgentOptions, run_agent
+    from hai.agent.users import root_without_user_map
+
+    refusal = root_without_user_map(os.geteuid(), user_map, ranks_as_agent_user)
+    if refusal:
+        typer.echo(f"hai agent: {refusal}", err=True)
+        raise typer.Exit(2)
 
     for spec in inject_faults or []:
         if fake_gpus is None:
@@ -178,7 +188,7 @@ def agent(
     run_agent(AgentOptions(
         server=server, token=token, node=node, zone=zone, leaf=leaf, fake_gpus=fake_gpus,
         state_dir=str(state_dir), address=address, gpu_indices=indices, checkpoint_root=checkpoint_root,
-        user_map=user_map,
+        user_map=user_map, ranks_as_agent_user=ranks_as_agent_user,
         kill_grace_s=kill_grace_s, stop_jobs_on_exit=stop_jobs_on_exit,
         inject_faults=tuple(inject_faults) if inject_faults else None,
     ))
