@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_right
 import statistics
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
