@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Annotated, Iterator
 
 from fastapi import Depends, Request
@@ -16,7 +17,7 @@ from hai.services.errors import Forbidden, Unauthorized
 _bearer = HTTPBearer(auto_error=False, description="an API token (`hai admin create-user` or POST /api/v1/tokens)")
 
 
-def get_platform(request: Request) -> Platform:
+async def get_platform(request: Request) -> Platform:
     return request.app.state.platform
 
 
@@ -49,21 +50,36 @@ async def _principal(
 
 
 def _lookup(request: Request, platform: Platform, creds: HTTPAuthorizationCredentials,
-            cache: auth.AgentTokenCache) -> auth.Principal:
+            cache: auth.AgentTokenCache, session: Session | None = None) -> auth.Principal:
+    """In a worker thread. ``session``: look the token up in the request's own session (the
+    submission path, issue 12: one connection and one thread hop for the whole request) instead of a
+    read session of its own."""
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
-    with platform.read_sessions() as session:
+    with nullcontext(session) if session is not None else platform.read_sessions() as s:
         try:
-            principal = auth.authenticate(session=session, secret=creds.credentials)
+            principal = auth.authenticate(session=s, secret=creds.credentials)
         except Unauthorized:
             failures.failed(client)
             raise
-        cache.put(session, creds.credentials, principal)
-    if principal.stale_use and principal.token_id is not None:
-        with platform.sessions() as session:  # a write at most once a minute per token
-            auth.touch_token(session=session, token_id=principal.token_id)
+        cache.put(s, creds.credentials, principal)
+    if principal.stale_use and principal.token_id is not None:  # a write at most once a minute per token
+        if session is not None:
+            auth.touch_token(session=session, token_id=principal.token_id, commit=False)
+        else:
+            with platform.sessions() as touch:
+                auth.touch_token(session=touch, token_id=principal.token_id)
     return principal
+
+
+def user_in_thread(request: Request, platform: Platform, creds: HTTPAuthorizationCredentials,
+                   session: Session) -> auth.Principal:
+    """What CurrentUser resolves to, for a route that does its whole work in one worker thread
+    and one session (POST /api/v1/jobs): the same checks, errors and 429s."""
+    cache = _agent_cache(request, platform)
+    principal = cache.get(creds.credentials) or _lookup(request, platform, creds, cache, session)
+    return _users_only(principal)
 
 
 def _agent_cache(request: Request, platform: Platform) -> auth.AgentTokenCache:
@@ -73,24 +89,38 @@ def _agent_cache(request: Request, platform: Platform) -> auth.AgentTokenCache:
     return cache
 
 
-def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
+def _users_only(principal: auth.Principal) -> auth.Principal:
     if principal.kind != "user":
         raise Forbidden("this endpoint is for users; agent credentials can only act for agents")
     return principal
 
 
-def _admin(user: Annotated[auth.Principal, Depends(_user)]) -> auth.Principal:
+async def _user(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
+    return _users_only(principal)
+
+
+async def _admin(user: Annotated[auth.Principal, Depends(_user)]) -> auth.Principal:
     if not user.is_admin:
         raise Forbidden("admins only")
     return user
 
 
-def _agent(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
+async def _agent(principal: Annotated[auth.Principal, Depends(_principal)]) -> auth.Principal:
     if principal.kind != "agent":
         raise Forbidden("agent endpoints need the node credential")
     return principal
 
 
 CurrentUser = Annotated[auth.Principal, Depends(_user)]
+
+
+async def _credentials(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> HTTPAuthorizationCredentials:
+    if creds is None:
+        raise Unauthorized("missing bearer token")
+    return creds
+
+
+# the bearer credentials, present but not yet looked up (user_in_thread does that)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials, Depends(_credentials)]
 AdminUser = Annotated[auth.Principal, Depends(_admin)]
 AgentPrincipal = Annotated[auth.Principal, Depends(_agent)]

@@ -7,7 +7,7 @@ from fastapi.responses import PlainTextResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
-from hai.api.deps import CurrentUser, PlatformDep, SessionDep
+from hai.api.deps import BearerCredentials, CurrentUser, PlatformDep, SessionDep, user_in_thread
 from hai.domain.jobs import JobState
 from hai.schemas.jobs import JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
@@ -40,20 +40,28 @@ IdempotencyKeyHeader = Annotated[
         429: {"description": "the user's queued-jobs limit is reached"},
     },
 )
-def submit(
+async def submit(
     spec: JobCreate,
+    request: Request,
     response: Response,
-    session: SessionDep,
     platform: PlatformDep,
-    user: CurrentUser,
+    creds: BearerCredentials,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> JobRead:
-    done = submissions.submit(
-        session=session, spec=spec, user=user, limits=platform.settings.limits, idempotency_key=idempotency_key
-    )
+    # issue 12: the token look-up and the submission share one session and one worker thread
+    # (CurrentUser + SessionDep would take a connection and a thread hop each)
+    def work() -> submissions.Submitted:
+        with platform.sessions() as session:
+            user = user_in_thread(request, platform, creds, session)
+            return submissions.submit(
+                session=session, spec=spec, user=user, limits=platform.settings.limits,
+                idempotency_key=idempotency_key,
+            )
+
+    done = await run_in_threadpool(work)
     if done.replayed:
         response.status_code = status.HTTP_200_OK
-    return job_read(session=session, job=done.job)
+    return done.job
 
 
 @router.get("", response_model=JobList)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -130,13 +130,25 @@ def revoke_token(*, session: Session, principal: Principal, token_id: int) -> Ap
     return token
 
 
+_tokens, _users = ApiToken.__table__, User.__table__
+# one statement object, built once: its compiled form and cache key are reused by every request
+# (issue 12: building and keying the ORM query was most of a look-up's CPU)
+_LOOKUP = (
+    select(_tokens.c.id, _tokens.c.kind, _tokens.c.name, _tokens.c.token_hash, _tokens.c.revoked_at,
+           _tokens.c.expires_at, _tokens.c.last_used_at, _users.c.id.label("user_id"),
+           _users.c.name.label("user_name"), _users.c.group, _users.c.is_admin)
+    .select_from(_tokens.outerjoin(_users, _tokens.c.user_id == _users.c.id))
+    .where(_tokens.c.token_hash == bindparam("digest"))
+)
+
+
 def authenticate(*, session: Session, secret: str | None) -> Principal:
     if not secret:
         raise Unauthorized("missing bearer token")
     # the look-up is by SHA-256 of the secret (a timing difference reveals nothing about a
     # stored secret); the digest is compared again in constant time
     digest = hash_token(secret)
-    token = session.scalar(select(ApiToken).where(ApiToken.token_hash == digest))
+    token = session.connection().execute(_LOOKUP, {"digest": digest}).first()
     if token is None or not hmac.compare_digest(token.token_hash, digest) or token.revoked_at is not None:
         raise Unauthorized("invalid or revoked token")
     now = utcnow()
@@ -145,16 +157,17 @@ def authenticate(*, session: Session, secret: str | None) -> Principal:
     stale = token.last_used_at is None or token.last_used_at <= now - timedelta(seconds=TOKEN_TOUCH_S)
     if token.kind == "agent":
         return Principal(kind="agent", name=token.name, token_id=token.id, stale_use=stale)
-    user = token.user
-    assert user is not None
+    assert token.user_id is not None
     return Principal(
-        kind="user", user_id=user.id, name=user.name, group=user.group, is_admin=user.is_admin, token_id=token.id,
-        stale_use=stale,
+        kind="user", user_id=token.user_id, name=token.user_name, group=token.group, is_admin=token.is_admin,
+        token_id=token.id, stale_use=stale,
     )
 
 
-def touch_token(*, session: Session, token_id: int, now: datetime | None = None) -> None:
-    """Record that the token was used (called when ``Principal.stale_use``: once a minute at most)."""
+def touch_token(*, session: Session, token_id: int, now: datetime | None = None, commit: bool = True) -> None:
+    """Record that the token was used (called when ``Principal.stale_use``: once a minute at most).
+    ``commit=False``: part of the caller's transaction (which commits it, or loses it on a
+    rollback: the next use touches it again)."""
     now = now or utcnow()
     session.execute(
         update(ApiToken)
@@ -162,7 +175,8 @@ def touch_token(*, session: Session, token_id: int, now: datetime | None = None)
         .where((ApiToken.last_used_at.is_(None)) | (ApiToken.last_used_at < now - timedelta(seconds=TOKEN_TOUCH_S)))
         .values(last_used_at=now)
     )
-    session.commit()
+    if commit:
+        session.commit()
 
 
 class AgentTokenCache:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job, Node
-from hai.schemas.jobs import JobList, JobRead, PlacementRead
+from hai.schemas.jobs import JobEventRead, JobList, JobRead, PlacementRead
 from hai.services.auth import Principal
-from hai.services.jobs import placement_of
+from hai.services.jobs import SUBMITTED, placement_of
 
 Labels = dict[str, tuple[str, str]]
 
@@ -51,6 +51,17 @@ def _read(job: Job, labels: Labels) -> JobRead:
 
 def job_read(*, session: Session, job: Job) -> JobRead:
     return _read(job, _labels_for(session, [job]))
+
+
+def submitted_read(row: Row) -> JobRead:
+    """A job just written by ``jobs.submit_job`` (its row of every column): not placed, one
+    event. Built from the row the INSERT returned, without reading anything back (issue 12)."""
+    data = {field: getattr(row, column) for field, column in _FIELDS if field != "events"}
+    data["env"] = row.env or {}
+    data["tags"] = row.tags or []
+    data["placement"] = []
+    data["events"] = [JobEventRead(at=row.created_at, from_state=None, to_state=row.state, reason=SUBMITTED)]
+    return JobRead.model_validate(data)
 
 
 HIDDEN = "***"

@@ -8,23 +8,23 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hai.db.models import IdempotencyKey, Job
-from hai.domain.jobs import JobState
-from hai.schemas.jobs import JobCreate
+from hai.schemas.jobs import JobCreate, JobRead
 from hai.services import jobs as job_service
 from hai.services.auth import Principal
 from hai.services.errors import Forbidden, Invalid, TooMany
 from hai.services.faults import crash_point
+from hai.services.job_views import job_read, submitted_read
 from hai.settings import LimitsSettings
 
 
 @dataclass(frozen=True)
 class Submitted:
-    job: Job
+    job: JobRead
     replayed: bool  # True: the key was seen before; this is the job it created
 
 
@@ -48,15 +48,12 @@ def _replay(session: Session, *, user: Principal, key: str, digest: str) -> Job 
     return job
 
 
-def check_queue_limit(session: Session, *, user: Principal, limits: LimitsSettings) -> None:
+def check_admission(session: Session, *, spec: JobCreate, user: Principal, limits: LimitsSettings) -> None:
+    """The cluster can ever fit the job (422), and the user is under the queued-jobs limit (429):
+    one query for both (issue 12)."""
     limit = limits.max_queued_jobs_per_user
-    if not limit:
-        return
-    queued = session.scalar(
-        # count(*) on ix_jobs_user_id_state (issue 12): an index-only scan of this user's queued jobs
-        select(func.count()).select_from(Job).where(Job.user_id == user.user_id, Job.state == JobState.QUEUED.value)
-    ) or 0
-    if queued >= limit:
+    queued = job_service.admission_counts(session, spec, user_id=user.user_id, count_queued=bool(limit))
+    if limit and queued is not None and queued >= limit:
         raise TooMany(
             f"you have {queued} queued job(s), the most a user may have (HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER="
             f"{limit}); wait for some to start or cancel some"
@@ -72,11 +69,11 @@ def submit(
     if idempotency_key is not None:
         job = _replay(session, user=user, key=idempotency_key, digest=digest)
         if job is not None:
-            return Submitted(job=job, replayed=True)
-    check_queue_limit(session, user=user, limits=limits)
+            return Submitted(job=job_read(session=session, job=job), replayed=True)
+    check_admission(session, spec=spec, user=user, limits=limits)
     idem = (idempotency_key, digest) if idempotency_key is not None else None
     try:
-        job = job_service.submit_job(session=session, spec=spec, user=user, idempotency=idem)
+        row = job_service.submit_job(session=session, spec=spec, user=user, idempotency=idem, checked=True)
     except IntegrityError:
         # the same key committed by a concurrent request in between: answer with its job
         session.rollback()
@@ -85,6 +82,6 @@ def submit(
         job = _replay(session, user=user, key=idempotency_key, digest=digest)
         if job is None:
             raise
-        return Submitted(job=job, replayed=True)
+        return Submitted(job=job_read(session=session, job=job), replayed=True)
     crash_point("after_submit_commit")
-    return Submitted(job=job, replayed=False)
+    return Submitted(job=submitted_read(row), replayed=False)
