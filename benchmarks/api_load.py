@@ -272,9 +272,10 @@ def seed_nodes(settings: Settings, n: int) -> list[str]:
 
 # -- the two layouts ---------------------------------------------------------------------------
 def profile_pids(pids: list[int], out: Path, procs: Procs, name: str) -> list[subprocess.Popen]:
-    """py-spy record each pid until stop_profiles (SIGINT: py-spy writes its file then)."""
+    """py-spy record each pid until stop_profiles (SIGINT: py-spy writes its file then); ``--gil``:
+    only samples holding the interpreter, i.e. where the CPU goes, not where threads wait."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    return [procs.start([spy, "record", "--pid", str(pid), "--rate", "50", "--format", "speedscope",
+    return [procs.start([spy, "record", "--pid", str(pid), "--rate", "50", "--gil", "--format", "speedscope",
                          "-o", str(out / f"{name}-{pid}.speedscope.json"), "--nonblocking"],
                         log=out / f"{name}-{pid}.log") for pid in pids]
 

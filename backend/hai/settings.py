@@ -54,6 +54,13 @@ class SchedulerSettings(BaseModel):
         description="wake-ups (submissions, releases) within this long of a cycle's start wait for the next "
         "cycle: a burst of submissions costs a few cycles, not one each (issue 12)",
     )
+    max_busy_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="a wake-up waits until the scheduler has been busy at most this share of the time since the "
+        "last cycle began: after a cycle of d seconds the next starts no sooner than d x (1/share - 1) after it "
+        "ended (as Slurm's sched_min_interval), so a slow cycle (a deep queue) leaves the rest of the machine to "
+        "the API; 1: no limit (issue 12)",
+    )
     lock_id: int = Field(default=0x4841_4901, ge=0, lt=2**31,
                          description="PostgreSQL advisory lock key: the leader of epoch E holds (lock_id, E)")
     lease_s: float = Field(default=10.0, gt=0, description=(
