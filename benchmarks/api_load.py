@@ -14,7 +14,8 @@ are stopped, by their process ids.
 
 Reads (``--reads``): 100,000 jobs in the table and 1,250 nodes on PostgreSQL (VACUUM ANALYZE after the
 bulk insert, as autovacuum leaves a settled table), ``hai server --workers <cores>`` alone; GET /api/v1/jobs (no filter, by state, by user, both; 50 a page, first page and a
-deep page) and GET /api/v1/nodes, p50/p99.
+deep page by offset and by keyset; the exact count asked for) and GET /api/v1/nodes (and with every
+GPU's figures, ``include=gpu_metrics``), p50/p99 and the server's CPU per request.
 
     python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only pg sqlite slurm]
                                   [--reads] [--profile DIR] [--out benchmarks/results/api_load.json]
@@ -467,8 +468,25 @@ READS = [
     ("jobs_user", "/api/v1/jobs?limit=50&user=user3"),
     ("jobs_user_succeeded", "/api/v1/jobs?limit=50&user=user3&state=succeeded"),
     ("jobs_page_100", "/api/v1/jobs?limit=50&offset=5000"),
+    ("jobs_keyset_page_100", "/api/v1/jobs?limit=50&before_id={keyset}"),  # the same page by keyset
+    ("jobs_count_exact", "/api/v1/jobs?limit=50&count=exact"),  # the exact total, asked for
     ("nodes", "/api/v1/nodes"),
+    ("nodes_gpu_metrics", "/api/v1/nodes?include=gpu_metrics"),  # every GPU's figures (2 MB), asked for
 ]
+# the heavy opt-in forms: fewer requests (a tenth of --repeat, at least 10)
+FEW = {"nodes_gpu_metrics"}
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (the server's workers)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> dict:
@@ -502,11 +520,17 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> 
             spies = []
             if profile is not None:
                 spies = profile_pids([server.pid] + children(server.pid), profile, procs, "reads")
+            workers = [server.pid] + children(server.pid)
             with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
                 for name, path in READS:
-                    out[name] = r = get_load(c, path, repeat)
+                    n = max(10, repeat // 10) if name in FEW else repeat
+                    c0 = cpu_s(workers)
+                    out[name] = r = get_load(c, path.format(keyset=n_jobs - 5000 + 1), n)
+                    # the server's CPU per request: less noisy than latency on a shared VM
+                    r["server_cpu_ms"] = round((cpu_s(workers) - c0) * 1000 / (n + 1), 1)
                     print(f"  reads {name:22s} p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms "
-                          f"({r['bytes']} bytes)  load {r['load']}", flush=True)
+                          f"server CPU {r['server_cpu_ms']:6.1f} ms/request ({r['bytes']} bytes)  load {r['load']}",
+                          flush=True)
             stop_profiles(spies)
         finally:
             procs.stop()

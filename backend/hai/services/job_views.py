@@ -112,19 +112,26 @@ def list_jobs(
         where.append(Job.state.in_([s.value for s in state]))
     if user_name:
         where.append(Job.user_name == user_name)
-    page = select(*_LIST_COLUMNS).where(*where)
+    cap = None if count == CountMode.EXACT else max(COUNT_CAP, offset + limit)
+    # the count rides along with the page (an uncorrelated subquery: evaluated once, one round trip)
+    page = select(*_LIST_COLUMNS, _count(where, cap).scalar_subquery().label("_counted")).where(*where)
     if before_id is not None:
         page = page.where(Job.id < before_id)
-    rows = list(session.execute(page.order_by(Job.id.desc()).limit(limit).offset(offset)).mappings())
+    conn = session.connection()  # Core statements: the ORM's per-statement compile state is not needed
+    rows = list(conn.execute(page.order_by(Job.id.desc()).limit(limit).offset(offset)).mappings())
     if before_id is None and len(rows) < limit and (rows or offset == 0):
         return JobPage(rows, offset + len(rows), True)  # the last page: every job is before it or on it
-    if count == CountMode.EXACT:
-        total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0
-        return JobPage(rows, int(total), True)
-    cap = max(COUNT_CAP, offset + len(rows))
-    matching = select(literal(1)).select_from(Job).where(*where).limit(cap + 1).subquery()
-    counted = int(session.scalar(select(func.count()).select_from(matching)) or 0)
-    return JobPage(rows, min(counted, cap), counted <= cap)
+    counted = int(rows[0]["_counted"] if rows else conn.scalar(_count(where, cap)) or 0)
+    if cap is None or counted <= cap:
+        return JobPage(rows, counted, True)
+    return JobPage(rows, cap, False)
+
+
+def _count(where: list, cap: int | None):  # noqa: ANN202
+    """count(*) of the jobs ``where`` selects, stopping after ``cap`` + 1 of them (None: all)."""
+    if cap is None:
+        return select(func.count()).select_from(Job).where(*where)
+    return select(func.count()).select_from(select(literal(1)).select_from(Job).where(*where).limit(cap + 1).subquery())
 
 
 def job_list_page(*, session: Session, page: JobPage, viewer: Principal | None = None) -> JobList:
@@ -137,12 +144,13 @@ def job_list_page(*, session: Session, page: JobPage, viewer: Principal | None =
     events: dict[int, list[dict]] = defaultdict(list)
     placements: dict[int, list[dict]] = defaultdict(list)
     if ids:
-        for job_id, at, from_state, to_state, reason in session.execute(
+        conn = session.connection()
+        for job_id, at, from_state, to_state, reason in conn.execute(
             select(JobEvent.job_id, JobEvent.at, JobEvent.from_state, JobEvent.to_state, JobEvent.reason)
             .where(JobEvent.job_id.in_(ids)).order_by(JobEvent.id)
         ):
             events[job_id].append({"at": at, "from_state": from_state, "to_state": to_state, "reason": reason})
-        for job_id, node, gpus, zone, leaf in session.execute(
+        for job_id, node, gpus, zone, leaf in conn.execute(
             select(JobAllocation.job_id, JobAllocation.node_name, JobAllocation.gpus, Node.zone, Node.leaf)
             .join(Job, Job.id == JobAllocation.job_id)
             .outerjoin(Node, Node.name == JobAllocation.node_name)
