@@ -493,7 +493,7 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> 
     url = os.environ.get("HAI_TEST_DATABASE_URL", "")
     redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
     procs = Procs()
-    out: dict = {"jobs_in_table": n_jobs, "nodes": n_nodes}
+    out: dict = {"jobs_in_table": n_jobs, "nodes_in_table": n_nodes}
     with tempfile.TemporaryDirectory(prefix="hai-api-reads-") as tmp:
         work = Path(tmp)
         try:
