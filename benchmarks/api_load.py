@@ -238,11 +238,16 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
             "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
             "SELECT id, started_at, 'queued', 'starting', 'placed' FROM jobs WHERE started_at IS NOT NULL"))
         if nodes:
-            names = ",".join(f"'{x}'" for x in nodes)  # noqa: F841 - nodes are our own names
+            # the jobs that hold GPUs now spread over every node, one GPU each, no GPU twice (the
+            # k-th of them: node k mod n, GPU k div n; 10,000 running jobs fill 1,250 nodes of 8);
+            # the finished ones likewise, among themselves
             conn.execute(text(
                 "INSERT INTO job_allocations (job_id, attempt, node_name, node_rank, gpus, active, created_at) "
-                "SELECT id, 1, 'node-' || lpad(CAST((id % :k) + 1 AS TEXT), 4, '0'), 0, '[0]', "
-                "state IN ('running', 'starting'), started_at FROM jobs WHERE started_at IS NOT NULL"),
+                "SELECT id, 1, 'node-' || lpad(CAST((rn % :k) + 1 AS TEXT), 4, '0'), 0, "
+                "CAST('[' || CAST((rn / :k) % 8 AS TEXT) || ']' AS JSON), holds, started_at FROM ("
+                "  SELECT id, started_at, state IN ('running', 'starting') AS holds, "
+                "  row_number() OVER (PARTITION BY state IN ('running', 'starting') ORDER BY id) - 1 AS rn "
+                "  FROM jobs WHERE started_at IS NOT NULL) AS started"),
                 {"k": len(nodes)})
     engine.dispose()
 

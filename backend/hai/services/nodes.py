@@ -41,6 +41,8 @@ def list_nodes(*, session: Session, gpu_metrics: bool = False) -> list[dict[str,
     node, not per allocation). Per-GPU figures (``gpu_metrics``: the inventory and the latest
     heartbeat's figures, two JSON documents per node to decode) only when asked: at 1,250 nodes
     they are 10,000 GPUs and 2 MB, and were nearly all of this list's cost (issue 12)."""
+    # held GPUs: the sum of the active allocations' GPU counts (a GPU is held once at most: the
+    # unique index of gpu_holds makes it so, whatever the code above the database does)
     held: dict[str, int] = {}
     jobs: dict[str, list[int]] = {}
     conn = session.connection()  # Core rows: the ORM's result processing per row is not needed here
