@@ -14,7 +14,8 @@ are stopped, by their process ids.
 
 Reads (``--reads``): 100,000 jobs in the table and 1,250 nodes on PostgreSQL (VACUUM ANALYZE after the
 bulk insert, as autovacuum leaves a settled table), ``hai server --workers <cores>`` alone; GET /api/v1/jobs (no filter, by state, by user, both; 50 a page, first page and a
-deep page) and GET /api/v1/nodes, p50/p99.
+deep page by offset and by keyset; the exact count asked for) and GET /api/v1/nodes (and with every
+GPU's figures, ``include=gpu_metrics``), p50/p99 and the server's CPU per request.
 
     python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only pg sqlite slurm]
                                   [--reads] [--profile DIR] [--out benchmarks/results/api_load.json]
@@ -237,11 +238,16 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
             "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
             "SELECT id, started_at, 'queued', 'starting', 'placed' FROM jobs WHERE started_at IS NOT NULL"))
         if nodes:
-            names = ",".join(f"'{x}'" for x in nodes)  # noqa: F841 - nodes are our own names
+            # the jobs that hold GPUs now spread over every node, one GPU each, no GPU twice (the
+            # k-th of them: node k mod n, GPU k div n; 10,000 running jobs fill 1,250 nodes of 8);
+            # the finished ones likewise, among themselves
             conn.execute(text(
                 "INSERT INTO job_allocations (job_id, attempt, node_name, node_rank, gpus, active, created_at) "
-                "SELECT id, 1, 'node-' || lpad(CAST((id % :k) + 1 AS TEXT), 4, '0'), 0, '[0]', "
-                "state IN ('running', 'starting'), started_at FROM jobs WHERE started_at IS NOT NULL"),
+                "SELECT id, 1, 'node-' || lpad(CAST((rn % :k) + 1 AS TEXT), 4, '0'), 0, "
+                "CAST('[' || CAST((rn / :k) % 8 AS TEXT) || ']' AS JSON), holds, started_at FROM ("
+                "  SELECT id, started_at, state IN ('running', 'starting') AS holds, "
+                "  row_number() OVER (PARTITION BY state IN ('running', 'starting') ORDER BY id) - 1 AS rn "
+                "  FROM jobs WHERE started_at IS NOT NULL) AS started"),
                 {"k": len(nodes)})
     engine.dispose()
 
@@ -468,15 +474,32 @@ READS = [
     ("jobs_user", "/api/v1/jobs?limit=50&user=user3"),
     ("jobs_user_succeeded", "/api/v1/jobs?limit=50&user=user3&state=succeeded"),
     ("jobs_page_100", "/api/v1/jobs?limit=50&offset=5000"),
+    ("jobs_keyset_page_100", "/api/v1/jobs?limit=50&before_id={keyset}"),  # the same page by keyset
+    ("jobs_count_exact", "/api/v1/jobs?limit=50&count=exact"),  # the exact total, asked for
     ("nodes", "/api/v1/nodes"),
+    ("nodes_gpu_metrics", "/api/v1/nodes?include=gpu_metrics"),  # every GPU's figures (2 MB), asked for
 ]
+# the heavy opt-in forms: fewer requests (a tenth of --repeat, at least 10)
+FEW = {"nodes_gpu_metrics"}
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (the server's workers)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> dict:
     url = os.environ.get("HAI_TEST_DATABASE_URL", "")
     redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
     procs = Procs()
-    out: dict = {"jobs_in_table": n_jobs, "nodes": n_nodes}
+    out: dict = {"jobs_in_table": n_jobs, "nodes_in_table": n_nodes}
     with tempfile.TemporaryDirectory(prefix="hai-api-reads-") as tmp:
         work = Path(tmp)
         try:
@@ -503,11 +526,17 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> 
             spies = []
             if profile is not None:
                 spies = profile_pids([server.pid] + children(server.pid), profile, procs, "reads")
+            workers = [server.pid] + children(server.pid)
             with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
                 for name, path in READS:
-                    out[name] = r = get_load(c, path, repeat)
+                    n = max(10, repeat // 10) if name in FEW else repeat
+                    c0 = cpu_s(workers)
+                    out[name] = r = get_load(c, path.format(keyset=n_jobs - 5000 + 1), n)
+                    # the server's CPU per request: less noisy than latency on a shared VM
+                    r["server_cpu_ms"] = round((cpu_s(workers) - c0) * 1000 / (n + 1), 1)
                     print(f"  reads {name:22s} p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms "
-                          f"({r['bytes']} bytes)  load {r['load']}", flush=True)
+                          f"server CPU {r['server_cpu_ms']:6.1f} ms/request ({r['bytes']} bytes)  load {r['load']}",
+                          flush=True)
             stop_profiles(spies)
         finally:
             procs.stop()

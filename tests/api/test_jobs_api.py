@@ -4,6 +4,7 @@ import pytest
 from sqlalchemy import func, select
 
 from hai.db.models import Job, JobEvent
+from hai.schemas.common import NodeRead
 
 
 def _job_count(api) -> tuple[int, int]:
@@ -165,4 +166,13 @@ def test_nodes_list_shows_topology_and_free_gpus(cluster):
         ("n3", "B", "B2", 8, 8, "ready"),
     ]
     assert all(n["running_jobs"] == [] for n in nodes)
-    assert [g["index"] for g in nodes[0]["gpu_metrics"]] == list(range(8))
+    # per-GPU figures: in the node's own view, and in the list only when asked (issue 12)
+    assert all(n["gpu_metrics"] is None for n in nodes)
+    assert nodes == [NodeRead.model_validate(n).model_dump(mode="json") for n in nodes]  # served unvalidated
+    full = cluster.get("/api/v1/nodes", params={"include": "gpu_metrics"}).json()
+    assert [g["index"] for g in full[0]["gpu_metrics"]] == list(range(8))
+    assert [{k: v for k, v in n.items() if k != "gpu_metrics"} for n in full] == [
+        {k: v for k, v in n.items() if k != "gpu_metrics"} for n in nodes]
+    assert cluster.get("/api/v1/nodes/n0").json()["gpu_metrics"] == full[0]["gpu_metrics"]
+    r = cluster.get("/api/v1/nodes", params={"include": "everything"})
+    assert r.status_code == 422 and "include" in str(r.json()["detail"][0]["loc"])

@@ -148,10 +148,20 @@ def test_cluster_page_shows_every_node_under_its_leaf_and_zone(dash, request):
         page.locator(".fat-tree").get_by_role("link", name=sorted(placed)[0], exact=True).click()
         page.get_by_role("heading", name=f"Node {sorted(placed)[0]}").wait_for()
         page.get_by_role("link", name=f"job {busy['id']}").wait_for()
+        # the node's GPUs come from GET /nodes/{name} (the list carries no per-GPU figures: issue 12)
+        gpus = page.locator("table", has=page.get_by_role("columnheader", name="ECC uncorrected")).locator("tbody tr")
+        wait_for(lambda: gpus.count() == next(n["gpus"] for n in nodes if n["name"] == sorted(placed)[0]),
+                 timeout=10, what="a row per GPU of the node")
         shot(page, "node-page")
         page.get_by_role("link", name="Nodes", exact=True).click()
         for n in nodes:
             page.get_by_role("link", name=n["name"], exact=True).wait_for()
+        # the utilisation column: each node's mean at its latest heartbeat (gpu_util_pct)
+        reporting = [n["name"] for n in nodes if n["gpu_util_pct"] is not None]
+        assert reporting, nodes
+        wait_for(lambda: "%" in page.get_by_role("row").filter(
+            has=page.get_by_role("link", name=reporting[0], exact=True)).inner_text(),
+            timeout=10, what="the node's GPU utilisation in the list")
         shot(page, "nodes")
         page.get_by_role("link", name="Usage", exact=True).click()
         page.get_by_role("cell", name="admin", exact=True).wait_for()

@@ -13,7 +13,7 @@ from hai.schemas.jobs import JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
 from hai.services import logs as log_service
 from hai.services import submissions
-from hai.services.job_views import job_list, job_read
+from hai.services.job_views import CountMode, job_list_page, job_read, list_jobs as list_job_page
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -76,13 +76,18 @@ def list_jobs(  # noqa: PLR0913
         int | None,
         Query(ge=1, description="keyset paging: only jobs with a lower id (the last id of the previous page)"),
     ] = None,
+    count: Annotated[
+        CountMode,
+        Query(description="`auto`: `total` exact up to 10,000 matching jobs, beyond that a lower bound "
+              "(`total_exact` false); `exact`: always exact (reads every matching index entry)"),
+    ] = CountMode.AUTO,
 ) -> Response:
-    items, total = job_service.list_jobs(
-        session=session, state=state or (), user_name=user, limit=limit, offset=offset, before_id=before_id
-    )
+    """Jobs, newest first, 50 a page by default (issue 12: column rows, three queries and a bounded count)."""
+    page = list_job_page(session=session, state=state or (), user_name=user, limit=limit, offset=offset,
+                         before_id=before_id, count=count)
     # serialised by pydantic-core directly (no second validation, no json.dumps of the page)
-    page = job_list(session=session, jobs=items, total=total, viewer=viewer)
-    return Response(page.model_dump_json(), media_type="application/json")
+    return Response(job_list_page(session=session, page=page, viewer=viewer).model_dump_json(),
+                    media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobRead)

@@ -63,7 +63,11 @@ class NodeRead(BaseModel):
     fake_gpus: bool
     last_heartbeat_at: datetime | None
     running_jobs: list[int]
-    gpu_metrics: list[GpuRead]
+    gpu_util_pct: float | None = Field(None, description="mean utilisation of the GPUs at the latest heartbeat")
+    gpus_busy: int = Field(0, description="GPUs at or above the busy threshold at the latest heartbeat")
+    gpu_metrics: list[GpuRead] | None = Field(
+        None, description="per-GPU inventory and latest figures: always in GET /nodes/{name}; in the list only "
+        "with `include=gpu_metrics` (10,000 GPUs at 1,250 nodes: 2 MB)")
 
 
 class QuotaItem(BaseModel):

@@ -137,4 +137,7 @@ class JobRead(BaseModel):
 
 class JobList(BaseModel):
     items: list[JobRead]
-    total: int
+    total: int = Field(description="the jobs that match the filter (every page's, not only below `before_id`): "
+                       "exact when `total_exact`, else a lower bound (there are more than `total`)")
+    total_exact: bool = Field(True, description="false when the count stopped at its cap (10,000 jobs, or the "
+                              "page's depth) to stay cheap; ask `count=exact` for the exact figure")

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from hai.domain.nodes import NodeState
 from hai.protocol.messages import json_types_only
-from hai.schemas.common import NodeRead
+from hai.schemas.common import GpuRead, NodeRead
 
 
 class NodeEventRead(BaseModel):
@@ -52,6 +52,7 @@ class ValidationRunRead(BaseModel):
 
 
 class NodeDetail(NodeRead):
+    gpu_metrics: list[GpuRead]  # type: ignore[assignment] - always here (optional in the list)
     state_changed_at: datetime | None = None
     state_detail: dict[str, Any] | None = None
     events: list[NodeEventRead]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Sequence
 
 from sqlalchemy import Row, bindparam, case, func, insert, select
 from sqlalchemy.orm import Session
@@ -209,36 +208,6 @@ def get_job(*, session: Session, job_id: int, user: Principal, for_update: bool 
     if user.kind == "user" and not user.is_admin and job.user_id != user.user_id:
         raise Forbidden(f"job {job_id} belongs to another user")
     return job
-
-
-def list_jobs(
-    *,
-    session: Session,
-    state: Sequence[JobState] = (),
-    user_name: str | None = None,
-    limit: int = 50,
-    offset: int = 0,
-    before_id: int | None = None,
-) -> tuple[list[Job], int]:
-    """Newest first. ``before_id``: keyset paging (the jobs below that id; pass the last id of the
-    previous page), which costs one page whatever the depth; ``offset`` walks past its rows.
-    ``total`` counts every job of the filter (not only those below ``before_id``); it is
-    counted only when the page does not already show it (issue 12: the count was the cost of a
-    list at 100,000 jobs), on an index (ix_jobs_state_id, ix_jobs_user_name_state_id)."""
-    where = []
-    if state:
-        where.append(Job.state.in_([s.value for s in state]))
-    if user_name:
-        where.append(Job.user_name == user_name)
-    page = select(Job).where(*where)
-    if before_id is not None:
-        page = page.where(Job.id < before_id)
-    jobs = list(session.scalars(page.order_by(Job.id.desc()).limit(limit).offset(offset)))
-    if before_id is None and len(jobs) < limit and (jobs or offset == 0):
-        total = offset + len(jobs)  # the last page: the jobs before it and on it are all there are
-    else:
-        total = session.scalar(select(func.count()).select_from(Job).where(*where)) or 0  # count(*): index-only
-    return jobs, int(total)
 
 
 # -- user actions --------------------------------------------------------------------------

@@ -481,7 +481,7 @@ def cluster_nodes(*, session: Session, settings: Settings) -> list[ClusterNode]:
     jobs: dict[str, set[int]] = defaultdict(set)
     for node, count, job_id in session.execute(
         select(JobAllocation.node_name, func.json_array_length(JobAllocation.gpus), JobAllocation.job_id)
-        .where(JobAllocation.active.is_(True))
+        .where(JobAllocation.active)  # not IS true: an index-only scan of ix_job_allocations_active (0014)
     ):
         held[node] += int(count or 0)
         jobs[node].add(job_id)

@@ -26,7 +26,7 @@ function job(overrides: Partial<JobRead> = {}): JobRead {
   }
 }
 
-const JOBS: JobList = { total: 1, items: [job()] }
+const JOBS: JobList = { total: 1, total_exact: true, items: [job()] }
 
 function json(body: unknown, status = 200): Response {
   return new Response(JSON.stringify(body), { status, headers: { 'Content-Type': 'application/json' } })
@@ -183,5 +183,28 @@ describe('helpers', () => {
     expect(tree.map((z) => [z.name, z.leaves.map((l) => [l.name, l.nodes.map((x) => x.name)])])).toEqual([
       ['A', [['L2', ['n1']], ['L10', ['n2']]]], ['B', [['L2', ['n10']]]],
     ])
+  })
+})
+
+describe('jobs page total', () => {
+  beforeEach(() => setToken('t'))
+  afterEach(() => vi.restoreAllMocks())
+
+  it('says "more than" when the server counted only up to its cap (total_exact false)', async () => {
+    routes({
+      '/api/v1/me': () => json({ name: 'alice', group: 'vision', is_admin: false }),
+      '/api/v1/jobs': () => json({ total: 10_000, total_exact: false, items: [job()] }),
+    })
+    renderApp('/jobs')
+    expect(await screen.findByText('newest 1 of more than 10,000 jobs (narrow with the filters)')).toBeTruthy()
+  })
+
+  it('gives an exact total as it is', async () => {
+    routes({
+      '/api/v1/me': () => json({ name: 'alice', group: 'vision', is_admin: false }),
+      '/api/v1/jobs': () => json({ total: 1234, total_exact: true, items: [job()] }),
+    })
+    renderApp('/jobs')
+    expect(await screen.findByText('newest 1 of 1,234 jobs (narrow with the filters)')).toBeTruthy()
   })
 })

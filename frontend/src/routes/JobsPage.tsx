@@ -40,8 +40,8 @@ export function JobsPage() {
         </label>
         {jobs.data && (
           <span className="muted" role="status">
-            {jobs.data.total > jobs.data.items.length
-              ? `newest ${jobs.data.items.length.toLocaleString()} of ${jobs.data.total.toLocaleString()} jobs (narrow with the filters)`
+            {jobs.data.total > jobs.data.items.length || jobs.data.total_exact === false
+              ? `newest ${jobs.data.items.length.toLocaleString()} of ${jobs.data.total_exact === false ? 'more than ' : ''}${jobs.data.total.toLocaleString()} jobs (narrow with the filters)`
               : `${items.length.toLocaleString()} job${items.length === 1 ? '' : 's'}`}
           </span>
         )}

@@ -104,7 +104,7 @@ export default function NodePage() {
           <h3>GPUs</h3>
           <table>
             <thead><tr><th>GPU</th><th>Model</th><th>Util</th><th>Memory</th><th>Temperature</th><th>Power</th><th>ECC uncorrected</th></tr></thead>
-            <tbody>{n.gpu_metrics.map((g) => (
+            <tbody>{(detail.data?.gpu_metrics ?? n.gpu_metrics ?? []).map((g) => (
               <tr key={g.index}><td>{g.index}</td><td>{g.model}</td><td>{g.util_pct == null ? '' : `${g.util_pct.toFixed(0)}%`}</td>
                 <td>{g.memory_used_mib ?? ''}/{g.memory_total_mib ?? ''} MiB</td><td>{g.temperature_c == null ? '' : `${g.temperature_c} °C`}</td>
                 <td>{g.power_w == null ? '' : `${g.power_w} W`}</td><td>{g.ecc_uncorrected ?? ''}</td></tr>

@@ -4,9 +4,9 @@ import { QueryStatus } from '../components/ui/QueryStatus'
 import { StateBadge } from '../components/ui/StateBadge'
 import { formatTime } from '../components/ui/format'
 
+/** The mean over the node's GPUs at its latest heartbeat (the list carries no per-GPU figures). */
 function nodeUtil(n: NodeRead): number | null {
-  const u = n.gpu_metrics.map((g) => g.util_pct).filter((x): x is number => x != null)
-  return u.length ? u.reduce((a, b) => a + b, 0) / u.length : null
+  return n.gpu_util_pct ?? null
 }
 
 export default function NodesPage() {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from hai.db.base import Base, UTCDateTime, utcnow
@@ -240,6 +240,10 @@ class JobAllocation(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "attempt", "node_rank", name="uq_job_allocations_rank"),
         Index("ix_job_allocations_node_active", "node_name", "active"),
+        # issue 12: the node list's aggregate of the active allocations, index-only (migration
+        # 0014); a query uses it when it says ``WHERE active`` (``.where(JobAllocation.active)``)
+        Index("ix_job_allocations_active", "node_name", postgresql_where=text("active"),
+              postgresql_include=["job_id", "gpus"], sqlite_where=text("active = 1")),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

@@ -141,7 +141,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List Jobs */
+        /**
+         * List Jobs
+         * @description Jobs, newest first, 50 a page by default (issue 12: column rows, three queries and a bounded count).
+         */
         get: operations["list_jobs_api_v1_jobs_get"];
         put?: never;
         /** Submit */
@@ -282,7 +285,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List Nodes */
+        /**
+         * List Nodes
+         * @description Every node with its state, free GPUs, running jobs and GPU utilisation (mean and busy count);
+         *     per-GPU figures only with `include=gpu_metrics` (issue 12: they were nearly all of this list's cost).
+         */
         get: operations["list_nodes_api_v1_nodes_get"];
         put?: never;
         post?: never;
@@ -760,6 +767,14 @@ export interface components {
             running_jobs: number;
         };
         /**
+         * CountMode
+         * @description How ``total`` is counted: ``auto`` exactly up to ``COUNT_CAP`` matching jobs (then a lower
+         *     bound, ``total_exact`` false), ``exact`` always (reads every matching index entry: ~16 ms per
+         *     100,000 jobs on PostgreSQL).
+         * @enum {string}
+         */
+        CountMode: "auto" | "exact";
+        /**
          * DesiredAction
          * @description What the server wants done with an attempt (``Assignment.action``, ``Job.desired_action``).
          * @enum {string}
@@ -977,8 +992,17 @@ export interface components {
         JobList: {
             /** Items */
             items: components["schemas"]["JobRead"][];
-            /** Total */
+            /**
+             * Total
+             * @description the jobs that match the filter (every page's, not only below `before_id`): exact when `total_exact`, else a lower bound (there are more than `total`)
+             */
             total: number;
+            /**
+             * Total Exact
+             * @description false when the count stopped at its cap (10,000 jobs, or the page's depth) to stay cheap; ask `count=exact` for the exact figure
+             * @default true
+             */
+            total_exact: boolean;
         };
         /** JobMetrics */
         JobMetrics: {
@@ -1215,8 +1239,19 @@ export interface components {
             free_gpus: number;
             /** Gpu Metrics */
             gpu_metrics: components["schemas"]["GpuRead"][];
+            /**
+             * Gpu Util Pct
+             * @description mean utilisation of the GPUs at the latest heartbeat
+             */
+            gpu_util_pct?: number | null;
             /** Gpus */
             gpus: number;
+            /**
+             * Gpus Busy
+             * @description GPUs at or above the busy threshold at the latest heartbeat
+             * @default 0
+             */
+            gpus_busy: number;
             /** Last Heartbeat At */
             last_heartbeat_at: string | null;
             latest_validation?: components["schemas"]["ValidationRunRead"] | null;
@@ -1264,6 +1299,11 @@ export interface components {
             reason: string;
             to_state: components["schemas"]["NodeState"];
         };
+        /**
+         * NodeInclude
+         * @enum {string}
+         */
+        NodeInclude: "gpu_metrics";
         /** NodeMetrics */
         NodeMetrics: {
             /** Gpus */
@@ -1280,10 +1320,24 @@ export interface components {
             fake_gpus: boolean;
             /** Free Gpus */
             free_gpus: number;
-            /** Gpu Metrics */
-            gpu_metrics: components["schemas"]["GpuRead"][];
+            /**
+             * Gpu Metrics
+             * @description per-GPU inventory and latest figures: always in GET /nodes/{name}; in the list only with `include=gpu_metrics` (10,000 GPUs at 1,250 nodes: 2 MB)
+             */
+            gpu_metrics?: components["schemas"]["GpuRead"][] | null;
+            /**
+             * Gpu Util Pct
+             * @description mean utilisation of the GPUs at the latest heartbeat
+             */
+            gpu_util_pct?: number | null;
             /** Gpus */
             gpus: number;
+            /**
+             * Gpus Busy
+             * @description GPUs at or above the busy threshold at the latest heartbeat
+             * @default 0
+             */
+            gpus_busy: number;
             /** Last Heartbeat At */
             last_heartbeat_at: string | null;
             /** Leaf */
@@ -2316,6 +2370,8 @@ export interface operations {
                 offset?: number;
                 /** @description keyset paging: only jobs with a lower id (the last id of the previous page) */
                 before_id?: number | null;
+                /** @description `auto`: `total` exact up to 10,000 matching jobs, beyond that a lower bound (`total_exact` false); `exact`: always exact (reads every matching index entry) */
+                count?: components["schemas"]["CountMode"];
             };
             header?: never;
             path?: never;
@@ -3171,7 +3227,10 @@ export interface operations {
     };
     list_nodes_api_v1_nodes_get: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description `gpu_metrics`: also every GPU's inventory and latest figures (2 MB at 1,250 nodes; GET /nodes/{name} has one node's) */
+                include?: components["schemas"]["NodeInclude"][] | null;
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -3239,6 +3298,15 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
                 };
             };
             /** @description too many queued jobs, or too many failed authentications (see Retry-After) */

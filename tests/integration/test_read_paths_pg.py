@@ -1,0 +1,110 @@
+"""The read paths of issue 12 on SQLite and PostgreSQL (the API tests run on SQLite only): the job
+list's bounded count, its page assembled from column rows (events, latest attempt's placement
+with node labels, masked environments), and the node list's aggregate of the active allocations
+(free GPUs, running jobs, per-GPU figures only when asked)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import sessionmaker
+
+from hai.db.migrate import upgrade
+from hai.db.models import Job, JobAllocation, JobEvent, Node, User
+from hai.domain.jobs import JobState
+from hai.services import job_views
+from hai.services import nodes as node_service
+from hai.services.auth import Principal
+from hai.services.job_views import CountMode, job_list_page, list_jobs
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions(request, tmp_path):
+    url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    upgrade(url)
+    engine = create_engine(url)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
+def _seed(s, now: datetime) -> None:  # noqa: ANN001
+    s.add_all([User(id=1, name="alice", group="g"), User(id=2, name="bob", group="g")])
+    s.add_all([Node(name="n0", zone="A", leaf="A1", gpus=8, gpu_util_pct=40.0, gpus_busy=2,
+                    gpu_inventory=[{"index": i, "uuid": f"G{i}", "model": "A100"} for i in range(8)],
+                    gpu_metrics=[{"index": 0, "util_pct": 80.0}]),
+               Node(name="n1", zone="B", leaf="B1", gpus=8)])
+    s.flush()
+    for i in range(1, 7):  # jobs 1-6: alice's odd, bob's even; 5 and 6 running
+        state = "running" if i >= 5 else "queued"
+        s.add(Job(id=i, name=f"j{i}", user_id=1 if i % 2 else 2, user_name="alice" if i % 2 else "bob", group="g",
+                  command=["x"], env={"TOKEN": f"secret{i}"}, state=state, attempt=2 if i == 5 else (1 if i == 6 else 0),
+                  created_at=now + timedelta(seconds=i)))
+    s.flush()
+    s.add_all([JobEvent(job_id=5, at=now, to_state="queued", reason="submitted"),
+               JobEvent(job_id=5, at=now + timedelta(seconds=1), from_state="queued", to_state="starting",
+                        reason="placed")])
+    s.add_all([
+        # job 5's first attempt ran on n1 (released), its second on n0 and n1
+        JobAllocation(job_id=5, attempt=1, node_name="n1", node_rank=0, gpus=[0, 1, 2, 3], active=False),
+        JobAllocation(job_id=5, attempt=2, node_name="n0", node_rank=0, gpus=[0, 1, 2, 3]),
+        JobAllocation(job_id=5, attempt=2, node_name="n1", node_rank=1, gpus=[4, 5]),
+        JobAllocation(job_id=6, attempt=1, node_name="n0", node_rank=0, gpus=[6]),
+    ])
+    s.commit()
+
+
+def test_job_list_counts_only_as_far_as_is_cheap(sessions, monkeypatch):
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        monkeypatch.setattr(job_views, "COUNT_CAP", 3)
+        page = list_jobs(session=s, limit=2)
+        assert [r["id"] for r in page.rows] == [6, 5] and (page.total, page.total_exact) == (3, False)
+        exact = list_jobs(session=s, limit=2, count=CountMode.EXACT)
+        assert (exact.total, exact.total_exact) == (6, True)
+        # a filter with at most the cap: exact; the last page shows its own total
+        assert (lambda p: (p.total, p.total_exact))(list_jobs(session=s, limit=1, state=[JobState.RUNNING])) == (2, True)
+        assert (lambda p: (p.total, p.total_exact))(list_jobs(session=s, limit=50, user_name="bob")) == (3, True)
+        # a page deeper than the cap: the total is at least what the page shows
+        deep = list_jobs(session=s, limit=2, offset=3)
+        assert [r["id"] for r in deep.rows] == [3, 2] and (deep.total, deep.total_exact) == (5, False)
+        # keyset pages count the whole filter, not only below before_id
+        below = list_jobs(session=s, limit=2, before_id=3)
+        assert [r["id"] for r in below.rows] == [2, 1] and (below.total, below.total_exact) == (3, False)
+        monkeypatch.setattr(job_views, "COUNT_CAP", 10)
+        assert (lambda p: (p.total, p.total_exact))(list_jobs(session=s, limit=2, before_id=3)) == (6, True)
+
+
+def test_job_list_page_reads_events_placement_and_masks(sessions):
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        alice = Principal(kind="user", user_id=1, name="alice")
+        out = job_list_page(session=s, page=list_jobs(session=s, limit=50), viewer=alice)
+        by_id = {j.id: j for j in out.items}
+        assert [j.id for j in out.items] == [6, 5, 4, 3, 2, 1] and (out.total, out.total_exact) == (6, True)
+        j5 = by_id[5]
+        assert [(p.node, p.zone, p.leaf, p.gpus) for p in j5.placement] == [
+            ("n0", "A", "A1", [0, 1, 2, 3]), ("n1", "B", "B1", [4, 5])]  # the latest attempt's only
+        assert [(e.from_state, e.to_state, e.reason) for e in j5.events] == [
+            (None, "queued", "submitted"), ("queued", "starting", "placed")]
+        assert by_id[5].env == {"TOKEN": "secret5"} and by_id[6].env == {"TOKEN": "***"}  # bob's, masked
+        assert by_id[4].placement == [] and by_id[4].events == []
+        admin = Principal(kind="user", user_id=99, name="root", is_admin=True)
+        assert job_list_page(session=s, page=list_jobs(session=s), viewer=admin).items[0].env == {"TOKEN": "secret6"}
+
+
+def test_node_list_aggregates_active_allocations(sessions):
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        rows = {r["name"]: r for r in node_service.list_nodes(session=s)}
+        assert (rows["n0"]["free_gpus"], rows["n0"]["running_jobs"]) == (3, [5, 6])
+        assert (rows["n1"]["free_gpus"], rows["n1"]["running_jobs"]) == (6, [5])  # attempt 1's GPUs released
+        assert (rows["n0"]["gpu_util_pct"], rows["n0"]["gpus_busy"]) == (40.0, 2)
+        assert rows["n0"]["gpu_metrics"] is None
+        full = {r["name"]: r for r in node_service.list_nodes(session=s, gpu_metrics=True)}
+        assert full["n0"]["gpu_metrics"][0] == {"index": 0, "uuid": "G0", "model": "A100", "util_pct": 80.0}
+        assert [g["index"] for g in full["n0"]["gpu_metrics"]] == list(range(8)) and full["n1"]["gpu_metrics"] == []
