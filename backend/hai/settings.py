@@ -136,6 +136,9 @@ class AuthSettings(BaseModel):
     bootstrap_agent_token: str = ""
     agent_token_cache_s: float = Field(default=10.0, ge=0, description=(
         "each API process re-checks a node credential at most this often (0: on every request)"))
+    token_cache_s: float = Field(default=10.0, ge=0, description=(
+        "each API process re-checks a user token at most this often (0: on every request); a revocation "
+        "takes effect at once in every process that notifications reach (Redis), within this long elsewhere"))
 
 
 class MetricsSettings(BaseModel):

@@ -10,7 +10,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from hai.services import auth
+from hai.services import auth, notify
 from hai.services.context import Platform
 from hai.services.errors import Forbidden, Unauthorized
 
@@ -42,18 +42,24 @@ async def _principal(
 ) -> auth.Principal:
     if creds is None:
         raise Unauthorized("missing bearer token")
-    cache = _agent_cache(request, platform)
-    known = cache.get(creds.credentials)
+    cache = _token_cache(request, platform)
+    version = _tokens_version(platform)
+    known = cache.get(creds.credentials, version=version)
     if known is not None:
-        return known  # a cached node credential: no database, no worker thread
-    return await run_in_threadpool(_lookup, request, platform, creds, cache)
+        return known  # a cached credential: no database, no worker thread
+    return await run_in_threadpool(_lookup, request, platform, creds, cache, version)
+
+
+def _tokens_version(platform: Platform) -> tuple[int, int]:
+    notifier = platform.notifier
+    return notifier.epoch, notifier.version(notify.TOKENS)
 
 
 def _lookup(request: Request, platform: Platform, creds: HTTPAuthorizationCredentials,
-            cache: auth.AgentTokenCache, session: Session | None = None) -> auth.Principal:
+            cache: auth.TokenCache, version: tuple[int, int], session: Session | None = None) -> auth.Principal:
     """In a worker thread. ``session``: look the token up in the request's own session (the
     submission path, issue 12: one connection and one thread hop for the whole request) instead of a
-    read session of its own."""
+    read session of its own. ``version``: the TOKENS topic's, read before the look-up."""
     failures = request.app.state.auth_failures  # issue 13: 429 for a client guessing tokens
     client = request.client.host if request.client else "unknown"
     failures.check(client)
@@ -63,7 +69,7 @@ def _lookup(request: Request, platform: Platform, creds: HTTPAuthorizationCreden
         except Unauthorized:
             failures.failed(client)
             raise
-        cache.put(s, creds.credentials, principal)
+    cache.put(creds.credentials, principal, expires_at=principal.expires_at, version=version)
     if principal.stale_use and principal.token_id is not None:  # a write at most once a minute per token
         if session is not None:
             auth.touch_token(session=session, token_id=principal.token_id, commit=False)
@@ -77,15 +83,19 @@ def user_in_thread(request: Request, platform: Platform, creds: HTTPAuthorizatio
                    session: Session) -> auth.Principal:
     """What CurrentUser resolves to, for a route that does its whole work in one worker thread
     and one session (POST /api/v1/jobs): the same checks, errors and 429s."""
-    cache = _agent_cache(request, platform)
-    principal = cache.get(creds.credentials) or _lookup(request, platform, creds, cache, session)
+    cache = _token_cache(request, platform)
+    version = _tokens_version(platform)
+    principal = cache.get(creds.credentials, version=version) or _lookup(
+        request, platform, creds, cache, version, session)
     return _users_only(principal)
 
 
-def _agent_cache(request: Request, platform: Platform) -> auth.AgentTokenCache:
-    cache = getattr(request.app.state, "agent_tokens", None)
+def _token_cache(request: Request, platform: Platform) -> auth.TokenCache:
+    cache = getattr(request.app.state, "token_cache", None)
     if cache is None:
-        cache = request.app.state.agent_tokens = auth.AgentTokenCache(platform.settings.auth.agent_token_cache_s)
+        a = platform.settings.auth
+        cache = request.app.state.token_cache = auth.TokenCache(
+            agent_ttl_s=a.agent_token_cache_s, user_ttl_s=a.token_cache_s)
     return cache
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.models import ApiToken, User
+from hai.services import notify
 from hai.services.errors import Conflict, Forbidden, Invalid, NotFound, Unauthorized
 
 TOKEN_PREFIX = "hai_"
@@ -34,6 +35,7 @@ class Principal:
     token_id: int | None = None
     # the token's last_used_at is older than TOKEN_TOUCH_S (or unset): touch_token it
     stale_use: bool = field(default=False, compare=False)
+    expires_at: datetime | None = field(default=None, compare=False)  # the token's (TokenCache)
 
 
 def hash_token(secret: str) -> str:
@@ -126,6 +128,7 @@ def revoke_token(*, session: Session, principal: Principal, token_id: int) -> Ap
         raise Forbidden("you can only revoke your own tokens")
     if token.revoked_at is None:
         token.revoked_at = utcnow()
+        notify.publish_after_commit(session, notify.TOKENS)  # every API process drops its cached credentials
     session.commit()
     return token
 
@@ -156,11 +159,12 @@ def authenticate(*, session: Session, secret: str | None) -> Principal:
         raise Unauthorized("token expired")
     stale = token.last_used_at is None or token.last_used_at <= now - timedelta(seconds=TOKEN_TOUCH_S)
     if token.kind == "agent":
-        return Principal(kind="agent", name=token.name, token_id=token.id, stale_use=stale)
+        return Principal(kind="agent", name=token.name, token_id=token.id, stale_use=stale,
+                         expires_at=token.expires_at)
     assert token.user_id is not None
     return Principal(
         kind="user", user_id=token.user_id, name=token.user_name, group=token.group, is_admin=token.is_admin,
-        token_id=token.id, stale_use=stale,
+        token_id=token.id, stale_use=stale, expires_at=token.expires_at,
     )
 
 
@@ -179,35 +183,41 @@ def touch_token(*, session: Session, token_id: int, now: datetime | None = None,
         session.commit()
 
 
-class AgentTokenCache:
-    """Node credentials checked once per ``ttl_s`` per process instead of once per request (1,250
-    agents at 1 Hz would otherwise cost a token query per heartbeat). Only agent tokens are kept
-    (they cannot be revoked through the API; a row revoked or expired in the database stops
-    working within ``ttl_s``); user tokens are looked up on every request."""
+class TokenCache:
+    """Credentials checked once per ``ttl_s`` per API process instead of once per request (issue
+    12: 1,250 agents at 1 Hz cost a token query per heartbeat; every user request paid a
+    connection, a worker-thread hop and a query for it). ``ttl_s`` is per kind: node credentials
+    and user tokens. An entry also stops at its token's expiry, and any revocation
+    (``revoke_token`` publishes ``notify.TOKENS`` after its commit) empties every process's cache
+    at once where notifications reach it (Redis, or the process that revoked); elsewhere the
+    revoked token stops working within ``ttl_s``."""
 
-    def __init__(self, ttl_s: float) -> None:
-        self.ttl_s = ttl_s
-        self._entries: dict[str, tuple[float, Principal]] = {}
+    def __init__(self, *, agent_ttl_s: float, user_ttl_s: float) -> None:
+        self._ttl = {"agent": agent_ttl_s, "user": user_ttl_s}
+        self._entries: dict[str, tuple[float, Principal, tuple[int, int]]] = {}
         self._lock = threading.Lock()
 
-    def get(self, secret: str) -> Principal | None:
-        if self.ttl_s <= 0:
+    def get(self, secret: str, *, version: tuple[int, int]) -> Principal | None:
+        """``version``: (the notifier's epoch, the version of its TOKENS topic) now."""
+        if not any(t > 0 for t in self._ttl.values()):
             return None
         key = hash_token(secret)
         with self._lock:
             hit = self._entries.get(key)
-        if hit is None or hit[0] <= time.monotonic():
+        if hit is None or hit[0] <= time.monotonic() or hit[2] != version:
             return None
         return hit[1]
 
-    def put(self, session: Session, secret: str, principal: Principal) -> None:
-        if self.ttl_s <= 0 or principal.kind != "agent":
+    def put(self, secret: str, principal: Principal, *, expires_at: datetime | None,
+            version: tuple[int, int]) -> None:
+        """``version``: as read BEFORE the look-up, so a revocation in between is not missed."""
+        ttl = self._ttl.get(principal.kind, 0.0)
+        if ttl <= 0:
             return
-        until = time.monotonic() + self.ttl_s
-        token = session.get(ApiToken, principal.token_id) if principal.token_id is not None else None
-        if token is not None and token.expires_at is not None:
-            until = min(until, time.monotonic() + (token.expires_at - utcnow()).total_seconds())
+        until = time.monotonic() + ttl
+        if expires_at is not None:
+            until = min(until, time.monotonic() + (expires_at - utcnow()).total_seconds())
         with self._lock:
-            if len(self._entries) > 1024:
+            if len(self._entries) > 4096:
                 self._entries.clear()
-            self._entries[hash_token(secret)] = (until, principal)
+            self._entries[hash_token(secret)] = (until, principal, version)

@@ -21,9 +21,7 @@ from hai.services.errors import Conflict, Forbidden, Invalid, NotFound
 SCHEDULER_EPOCH = "scheduler_epoch"
 
 
-def publish_after_commit(session: Session, *topics: str) -> None:
-    """Queue notifications; context.Platform publishes them once the transaction commits."""
-    session.info.setdefault("notify", set()).update(topics)
+publish_after_commit = notify.publish_after_commit  # re-exported: services import it from here
 
 
 # -- the state machine ---------------------------------------------------------------------

@@ -18,6 +18,13 @@ from collections import defaultdict
 log = logging.getLogger(__name__)
 
 SCHEDULER = "scheduler"
+TOKENS = "tokens"  # a token was revoked: API processes drop their cached credentials
+
+
+def publish_after_commit(session, *topics: str) -> None:  # noqa: ANN001
+    """Queue notifications on a SQLAlchemy session; context.Platform publishes them once the
+    transaction commits (and drops them on a rollback)."""
+    session.info.setdefault("notify", set()).update(topics)
 
 
 def node_topic(name: str) -> str:
