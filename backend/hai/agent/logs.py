@@ -10,6 +10,7 @@ in-band as a ``system`` line ``[hai] N lines dropped (log buffer full)`` in the 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -112,8 +113,11 @@ class AttemptTail:
     last_output_at: float | None = None
     lines_total: int = 0
     dropped_total: int = 0
+    save_error: str | None = None  # the last save that failed on a full folder (issue 13)
 
     def save(self) -> None:
+        """Persist the offsets and seqs. On a full folder (issue 13) they stay in memory (the
+        next save writes them): only a restart meanwhile would read some lines again."""
         data = {
             "ranks": {
                 str(r.rank): {"seq": r.seq, "dropped": r.dropped,
@@ -124,9 +128,18 @@ class AttemptTail:
             "dropped_total": self.dropped_total,
         }
         tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.state_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.save_error = e.strerror or str(e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def load(self) -> None:
         try:
