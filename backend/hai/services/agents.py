@@ -77,6 +77,17 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     return reply
 
 
+def _lost_meanwhile(session: Session, node: Node) -> bool:
+    """Whether a reaper marked ``node`` lost between this heartbeat's read of the row and its
+    UPDATE of it. The UPDATE (flushed here) waits for a reaper that holds the row and then
+    applies to its newest version, so reading the state back after it tells (PostgreSQL;
+    SQLite serialises the two transactions)."""
+    if node.state == NodeState.LOST.value or session.get_bind().dialect.name != "postgresql":
+        return False
+    session.flush()
+    return session.scalar(select(Node.state).where(Node.name == node.name)) == NodeState.LOST.value
+
+
 def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict | None = None) -> ServerReply:
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
@@ -111,6 +122,11 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     node.last_heartbeat_at = now
     if hb.gpus:
         metrics_store.set_latest_gpus(node, hb.gpus, settings)
+    if _lost_meanwhile(session, node):
+        # the reaper marked the node lost after this heartbeat read it (issue 13): its jobs are
+        # requeued, so the assignments read before are stale; nothing of this heartbeat stands
+        session.rollback()
+        return ServerReply(node=hb.node, assignments_digest="", reregister=True)
     reply = _reply(session, node, [a for _, a in held], settings, pending=pending)
     if seen is not None:
         seen["state"] = node.state
