@@ -126,6 +126,7 @@ class Attempt:
     final_reported: bool = False
     drained: bool = False
     attached_at: float = 0.0  # when this agent process took charge (launch or reattach)
+    blind_at: float | None = None  # issue 13: last seen with the log folder full (output unseeable)
     tail: AttemptTail | None = field(default=None, repr=False)
     event_offsets: dict[str, int] = field(default_factory=dict)
 

@@ -138,6 +138,8 @@ class NodeAgent:
             log.warning("%s", self.storage_error)
         changed = False
         for att in self.attempts.values():
+            if not att.finished:
+                att.blind_at = now  # its output cannot be seen: the log watchdog does not count this
             if not att.finished and self.storage_error not in att.storage_errors:
                 att.storage_errors = [*att.storage_errors, self.storage_error][-5:]
                 changed = True
