@@ -321,7 +321,7 @@ def main(argv: list[str]) -> int:
         try:
             os.sched_setaffinity(0, cpus)
         except OSError as e:
-            print(f"[hai] could not bind to CPUs {cpus}: {e}", file=sys.stderr, flush=True)
+            _say(f"[hai] could not bind to CPUs {cpus}: {e}")
 
     _reserve(exit_file + ".reserve")
     # the command's output goes through pipes to the rank's log files (our stdout/stderr): a full
