@@ -41,6 +41,7 @@ isolated mode, so the job's environment (PYTHONPATH, PYTHONHOME, ...) cannot bre
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import selectors
@@ -52,6 +53,8 @@ import time
 PR_SET_CHILD_SUBREAPER = 36
 RESERVE_BYTES = 16384  # room kept for the exit record (and its temporary file)
 MARKER_RETRY_S = 1.0
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+PIPE_BYTES = 1 << 20
 
 
 class Sink:
@@ -331,6 +334,10 @@ def main(argv: list[str]) -> int:
     for fd in (1, 2):
         r, w = os.pipe()
         os.set_blocking(r, False)
+        try:  # room for a burst of output while the wrapper copies (64 KiB by default)
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
         pipes.append((r, w))
         sinks[r] = Sink(fd)
     # SIGCHLD wakes the loop below at once (a handler, not SIG_IGN: the child's exec resets it)
