@@ -137,9 +137,10 @@ def _waiting_on_a_lock(api) -> bool:
 
 
 def test_a_heartbeat_caught_across_a_reap_gets_reregister_not_the_work_taken_away(api):
-    """The heartbeat reads the node (still ready: the reap has not committed), then waits for the
-    node's row, which the reap holds; once the reap commits, the heartbeat must not answer with
-    the assignments it read (the job was requeued) nor renew the node's liveness."""
+    """A heartbeat arrives while a reap holds the node (not committed yet): once the reap
+    commits, the heartbeat must not answer with the node's assignments as they were (the job
+    was requeued: the agent would keep running it) nor renew the node's liveness. Before, it
+    read the node unlocked (still ready), waited only at its UPDATE, and answered 'run'."""
     where = _running_jobs(api, ["n0"])
     jid = where["n0"]
     _silence(api, ["n0"])

@@ -77,26 +77,19 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     return reply
 
 
-def _lost_meanwhile(session: Session, node: Node) -> bool:
-    """Whether a reaper marked ``node`` lost between this heartbeat's read of the row and its
-    UPDATE of it. The UPDATE (flushed here) waits for a reaper that holds the row and then
-    applies to its newest version, so reading the state back after it tells (PostgreSQL;
-    SQLite serialises the two transactions)."""
-    if node.state == NodeState.LOST.value or session.get_bind().dialect.name != "postgresql":
-        return False
-    session.flush()
-    return session.scalar(select(Node.state).where(Node.name == node.name)) == NodeState.LOST.value
-
-
 def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict | None = None) -> ServerReply:
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
     # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
     # a heartbeat overwrites the metrics and reads the inventory only for a validation run
+    # the node's row first, held to the commit (FOR NO KEY UPDATE: allocations' foreign keys
+    # still pass): a reaper that holds it is waited for and its verdict read (issue 13), and one
+    # that comes later sees this heartbeat (services/reaper.py)
     row = session.execute(
         select(Node, node_health.has_pending_run()).where(Node.name == hb.node)
         .options(defer(Node.gpu_inventory), defer(Node.gpu_metrics), defer(Node.nics))
+        .with_for_update(key_share=True, of=Node)
     ).first()
     if row is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
@@ -122,11 +115,6 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     node.last_heartbeat_at = now
     if hb.gpus:
         metrics_store.set_latest_gpus(node, hb.gpus, settings)
-    if _lost_meanwhile(session, node):
-        # the reaper marked the node lost after this heartbeat read it (issue 13): its jobs are
-        # requeued, so the assignments read before are stale; nothing of this heartbeat stands
-        session.rollback()
-        return ServerReply(node=hb.node, assignments_digest="", reregister=True)
     reply = _reply(session, node, [a for _, a in held], settings, pending=pending)
     if seen is not None:
         seen["state"] = node.state

@@ -9,16 +9,17 @@ one may be stale (a process paused with SIGSTOP, or a transaction that began bef
 arrived). What keeps that safe (issue 13):
 
 - Each node is reaped in a transaction of its own whose writes are conditional: it locks the
-  jobs of the node's active allocations (in id order, as a heartbeat's report does: one lock
-  order, no deadlock), then the node row with ``FOR NO KEY UPDATE ... WHERE state != 'lost' AND
-  last_heartbeat_at < cutoff``. PostgreSQL re-evaluates that condition on the newest committed
-  row after any wait, so a node that has heartbeated since, or that another reaper has just
-  marked lost, is skipped. The allocations are then read again under the jobs' locks: only an
-  allocation still active is released, and its job requeued only while that attempt is still
-  the job's current, active one — never twice.
-- A heartbeat that read the node before the reaper committed and writes after it finds the
-  node lost when its own UPDATE of the row goes through (services/agents.heartbeat checks the
-  state it wrote over) and answers ``reregister`` instead of the assignments it read.
+  node row with ``FOR NO KEY UPDATE ... WHERE state != 'lost' AND last_heartbeat_at < cutoff``
+  (PostgreSQL re-evaluates that condition on the newest committed row after any wait, so a node
+  that has heartbeated since, or that another reaper has just marked lost, is skipped), then the
+  jobs of its active allocations (in id order), and reads the allocations again under those
+  locks: only an allocation still active is released, and its job requeued only while that
+  attempt is still the job's current, active one — never twice. Node, then jobs: the order a
+  heartbeat, a registration and a drain take too, so none of them deadlocks with a reap.
+- A heartbeat takes the node's row first (services/agents.heartbeat): one that arrives while a
+  reap holds it waits, then reads the node lost and answers ``reregister`` instead of the
+  assignments the reap took away; one that got the row first commits its heartbeat, and the
+  reap then skips the node.
 - In the scheduler's loop the transaction is fenced by the leader's lease (services/leader.fence)
   like the cycle's own: a leader paused past its lease cannot reap after it resumes.
 - On PostgreSQL the transaction sets ``idle_in_transaction_session_timeout``: a reaper paused
@@ -83,9 +84,6 @@ def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, l
     up its GPUs and requeue its jobs; in one transaction, committed unless ``commit=False``
     (tests hold it open). True when this call marked it lost."""
     _guard(session, lease, idle_timeout_s)
-    job_ids = sorted({a.job_id for a in _active_allocs(session, name)})
-    if job_ids:
-        lock_jobs(session, job_ids)  # jobs first, then the node: the order a heartbeat takes
     node = session.scalar(
         select(Node)
         .where(Node.name == name, Node.state != NodeState.LOST.value, Node.last_heartbeat_at.is_not(None),
@@ -96,11 +94,11 @@ def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, l
     if node is None:  # it heartbeated since, or another reaper got there first
         session.rollback()
         return False
+    # the node first, then its jobs: the order of a heartbeat, a registration, a drain
+    job_ids = sorted({a.job_id for a in _active_allocs(session, name)})
+    if job_ids:
+        lock_jobs(session, job_ids)
     allocs = _active_allocs(session, name)
-    late = sorted({a.job_id for a in allocs} - set(job_ids))
-    if late:  # placed here after the first read (the scheduler still saw the node ready)
-        lock_jobs(session, late)
-        allocs = _active_allocs(session, name)
     assert node.last_heartbeat_at is not None
     # remember an admin's drain or a fault: the node returns to it, not to ready
     was = {"was": node.state, "was_reason": node.state_reason} if node.state != NodeState.READY.value else {}
