@@ -1,6 +1,8 @@
 """Log capture and shipping.
 
-Ranks write stdout/stderr to files in the attempt's folder (so they never depend on the agent).
+Each rank's wrapper (rankwrap.py) copies the rank's stdout/stderr into files in the attempt's
+folder (so they never depend on the agent; on a full folder the output is dropped with a marker,
+never the rank).
 A tailer reads new complete lines from those files (persisting read offsets and the per-rank
 ``seq`` counter, so an agent restart continues where it stopped) and offers them to a BOUNDED
 buffer; the shipper drains the buffer in batches to the server. A job is never blocked by log
