@@ -88,7 +88,7 @@ def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, l
         select(Node)
         .where(Node.name == name, Node.state != NodeState.LOST.value, Node.last_heartbeat_at.is_not(None),
                Node.last_heartbeat_at < cutoff)
-        .with_for_update(key_share=True)  # FOR NO KEY UPDATE: new allocations' foreign keys still pass
+        .with_for_update(key_share=True)  # FOR NO KEY UPDATE: rows that reference it still insert
         .execution_options(populate_existing=True)
     )
     if node is None:  # it heartbeated since, or another reaper got there first
@@ -99,6 +99,10 @@ def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, l
     if job_ids:
         lock_jobs(session, job_ids)
     allocs = _active_allocs(session, name)
+    late = sorted({a.job_id for a in allocs} - set(job_ids))
+    if late:  # placed here meanwhile (the scheduler does not lock nodes): their jobs too
+        lock_jobs(session, late)
+        allocs = _active_allocs(session, name)
     assert node.last_heartbeat_at is not None
     # remember an admin's drain or a fault: the node returns to it, not to ready
     was = {"was": node.state, "was_reason": node.state_reason} if node.state != NodeState.READY.value else {}
