@@ -190,11 +190,13 @@ class Cluster:
     servers: int = 1
     settings: dict[str, str] = field(default_factory=dict)
     agent_args: list[str] = field(default_factory=list)
+    agents_root: Path | None = None  # the agents' state folders (default <tmp>/agents): a test's own filesystem
     admin_token: str = field(default_factory=lambda: "hai_" + secrets.token_urlsafe(32))
     agent_token: str = field(default_factory=lambda: "haiagent_" + secrets.token_urlsafe(32))
 
     def __post_init__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self.agents_root = self.agents_root or self.tmp / "agents"
         self.marks = self.tmp / "marks.jsonl"
         self.marks.touch()
         self.checkpoints = self.tmp / "checkpoints"
@@ -236,7 +238,7 @@ class Cluster:
                 f"agent-{name}",
                 [py, "-m", "hai.cli.main", "agent", "--server", server, "--token", self.agent_token, "--node", name,
                  "--zone", "A", "--leaf", f"L{i // 2}", "--fake-gpus", str(gpus),
-                 "--state-dir", str(self.tmp / "agents" / name), "--checkpoint-root", str(self.checkpoints),
+                 "--state-dir", str(self.agents_root / name), "--checkpoint-root", str(self.checkpoints),
                  "--kill-grace-s", "3", "--ranks-as-agent-user", *self.agent_args],
                 env, self.tmp / f"agent-{name}.log", self.tmp)
 
@@ -289,7 +291,7 @@ class Cluster:
 
     def rank_pids(self) -> list[int]:
         """Rank wrappers under this cluster's agents (their sessions' leaders)."""
-        root = str(self.tmp / "agents").encode()
+        root = str(self.agents_root).encode()
         out = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -334,14 +336,22 @@ class Cluster:
     def job(self, job_id: int) -> dict:
         return self.get(f"/api/v1/jobs/{job_id}")
 
+    def logs(self, job_id: int) -> str:
+        """The job's log text as the API serves it (every rank, every attempt)."""
+        with self.client() as c:
+            r = c.get(f"/api/v1/jobs/{job_id}/logs")
+        r.raise_for_status()
+        return r.text
+
     def submit(self, *, seconds: float = 1.0, exit_code: int = 0, checkpoint_every: float = 0.0,
                nodes: int = 1, gpus_per_node: int = 1, priority: str = "NORMAL", name: str = "fault",
-               timeout: float = 300, **extra) -> int:
+               timeout: float = 300, chatty: bool = False, **extra) -> int:
         """Submit a job running jobscript.py (start/stop marks, checkpoints through the SDK);
         retried with one Idempotency-Key across servers that are down or restarting. Returns
         the id once a server accepted it (201, or 200 for a replay)."""
         command = [sys.executable, JOBSCRIPT, "--seconds", str(seconds), "--exit-code", str(exit_code),
-                   "--checkpoint-every", str(checkpoint_every), "--marks", str(self.marks)]
+                   "--checkpoint-every", str(checkpoint_every), "--marks", str(self.marks),
+                   *(["--chatty"] if chatty else [])]
         body = {"name": name, "command": command, "nodes": nodes, "gpus_per_node": gpus_per_node,
                 "priority": priority, **extra}
         key = str(uuid.uuid4())

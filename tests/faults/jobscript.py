@@ -25,6 +25,7 @@ ap.add_argument("--seconds", type=float, default=1.0)
 ap.add_argument("--exit-code", type=int, default=0)
 ap.add_argument("--checkpoint-every", type=float, default=0.0)
 ap.add_argument("--marks", required=True)
+ap.add_argument("--chatty", action="store_true", help="print a line to stdout on every tick")
 args = ap.parse_args()
 
 JOB = int(os.environ.get("HAI_JOB_ID", "0"))
@@ -88,6 +89,8 @@ while done < args.seconds:
     if now - last_tick >= 0.2:
         mark("tick", done=done)
         last_tick = now
+        if args.chatty:  # plain print: a full log folder must not break it (rankwrap keeps it flowing)
+            print(f"tick {done:.2f} " + "x" * 200)
     if args.checkpoint_every and done - last_ckpt >= args.checkpoint_every:
         checkpoint()
         last_ckpt = done

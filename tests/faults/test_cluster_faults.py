@@ -226,3 +226,61 @@ def test_full_checkpoint_disk_is_told_to_the_job_and_reported(make_cluster, moni
         _end(cluster, monitor)
     finally:
         subprocess.run(["umount", "-l", str(cluster.checkpoints)], capture_output=True)
+
+
+def _fill(path) -> None:
+    """Write ``path`` until its filesystem is full (ENOSPC)."""
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+
+
+def test_full_log_disk_keeps_the_job_and_the_agent_running_and_is_reported(make_cluster, monitor_for, tmp_path):
+    """The agent's state folder (where each rank's stdout/stderr land before they are shipped,
+    and the attempt records, the lease, the SDK's control files) fills up mid-run (a small tmpfs
+    of the test's own, filled by the test): the job keeps printing and keeps running (its output
+    is dropped, not its process), the agent keeps running and heartbeating (its lease too, or the
+    ranks would stop themselves), the platform records "storage full on node n0: log folder ..."
+    on the job; once there is room again the output flows on behind a marker that says how much
+    was dropped, and the job ends by its own exit code on its first attempt."""
+    state = tmp_path / "agent-state"
+    if os.geteuid() != 0 or not _mount_tmpfs(state, "1m"):
+        pytest.skip("needs root to mount a small tmpfs (a full filesystem of the test's own)")
+    try:
+        # one node: the job runs where the disk fills; lost_after_s 12 s, so a lease the agent
+        # could not renew would stop the job well within the time the disk stays full
+        cluster = make_cluster(settings=FAST, nodes=[("n0", 4)], agents_root=state)
+        monitor = monitor_for(cluster)
+        jid = cluster.submit(seconds=25, gpus_per_node=1, chatty=True, name="full-log-disk")
+        wait_for(lambda: "tick" in cluster.logs(jid), timeout=120, what="the job's first lines on the platform")
+        _fill(state / "filler")
+        t_full = cluster.read_marks()[-1]["t"]
+
+        def reported():
+            j = cluster.job(jid)
+            return j if any("storage full on node n0: log folder" in e["reason"] for e in j["events"]) else None
+        job = wait_for(reported, timeout=60, what="the full log folder reported on the job")
+        assert job["state"] == "running", job
+        # the disk stays full for longer than the agent's lease (9 s): the job goes on ticking,
+        # the agent heartbeats, the node is not lost
+        wait_for(lambda: any(m["ev"] == "tick" and m["t"] > t_full + 10 for m in cluster.read_marks()),
+                 timeout=60, what="10 s of ticks with the log folder full")
+        assert len(cluster.rank0_running(jid)) == 1
+        assert cluster.agents["n0"].alive
+        node = next(n for n in cluster.get("/api/v1/nodes") if n["name"] == "n0")
+        assert node["state"] == "ready", node
+        os.unlink(state / "filler")  # room again: the output flows on behind the marker
+        done = cluster.wait_terminal([jid], timeout=180)[jid]
+        assert done["state"] == "succeeded" and done["attempt"] == 1 and done["restarts"] == 0, done
+        text = cluster.logs(jid)
+        assert "lines of output dropped" in text and "the log folder was full" in text, text[-2000:]
+        after = text[text.index("lines of output dropped"):]
+        assert "tick" in after  # lines written after the marker reached the platform
+        assert cluster.agents["n0"].alive
+        _end(cluster, monitor)
+    finally:
+        subprocess.run(["umount", "-l", str(state)], capture_output=True)

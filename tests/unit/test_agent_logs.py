@@ -145,3 +145,42 @@ def test_a_log_flood_never_blocks_the_job_and_losses_are_visible(tmp_path):
     assert sorted(seqs) == list(range(len(seqs)))  # gapless, unique: the markers take seqs too
     nums = [int(ln.line.split()[-1]) for ln in out]
     assert nums == sorted(nums)  # what got through is in order
+
+
+def test_batches_fit_the_servers_body_limit_and_a_refused_batch_is_split_not_retried_for_ever():
+    """Issue 13's audit: a batch of 1 MiB of text was 1.2 MiB of JSON, over the server's 1 MiB
+    body limit: 413, retried for ever, and nothing more of the node's logs arrived. The send
+    here refuses, as the server does, any batch whose JSON is over 1 MiB (with the real error
+    the agent's client raises); lines full of control characters (escaped six-fold in JSON)
+    force the split too."""
+    from hai.agent.client import Rejected
+    from hai.protocol import LogBatch
+
+    limit = 1 << 20
+    buf = LogBuffer(max_lines=100_000, max_bytes=64 << 20)
+    sent: list[list[LogLine]] = []
+    refused = []
+
+    def send(lines):
+        size = len(LogBatch(node="n1", lines=lines).model_dump_json())
+        if size > limit:
+            refused.append(size)
+            raise Rejected(413, f"the request body is {size} bytes; at most {limit} are accepted")
+        sent.append(lines)
+
+    plain = [LogLine(job_id=1, attempt=1, rank=0, seq=i, ts=1.0, stream="stdout", line="x" * 500) for i in range(6000)]
+    escaped = [LogLine(job_id=1, attempt=1, rank=0, seq=6000 + i, ts=1.0, stream="stdout", line="\x01" * 16000)
+               for i in range(40)]
+    assert buf.offer_many(plain + escaped) == len(plain) + len(escaped)
+    stop = threading.Event()
+    shipper = LogShipper(buf, send, stop=stop, backoff_max_s=0.2)
+    shipper.start()
+    try:
+        wait_for(lambda: shipper.shipped == len(plain) + len(escaped), timeout=60, what="every line shipped")
+    finally:
+        stop.set()
+        shipper.join(5)
+    got = [ln.seq for batch in sent for ln in batch]
+    assert got == list(range(len(plain) + len(escaped)))  # all of them, in order, once each
+    assert all(len(LogBatch(node="n1", lines=b).model_dump_json()) <= limit for b in sent)
+    assert refused and shipper.refused == 0  # the escaped lines needed a split; no line was lost

@@ -83,14 +83,16 @@ def test_nothing_started_nothing_timed():
     assert due(att(started=None, max_runtime_s=1, log_watchdog_s=1), T0 + 100) is None
 
 
-@pytest.mark.parametrize(("attached", "last_output", "quiet_from"), [
-    (T0, None, T0),  # silent since the start
-    (T0 + 50, None, T0 + 50),  # a restarted agent counts from when it took charge
-    (T0, T0 + 70, T0 + 70),  # from the last line
+@pytest.mark.parametrize(("attached", "last_output", "blind", "quiet_from"), [
+    (T0, None, None, T0),  # silent since the start
+    (T0 + 50, None, None, T0 + 50),  # a restarted agent counts from when it took charge
+    (T0, T0 + 70, None, T0 + 70),  # from the last line
+    (T0, T0 + 10, T0 + 90, T0 + 90),  # from the last moment the log folder was full (issue 13)
 ])
-def test_the_log_watchdog_counts_from_the_latest_sign_of_life(attached, last_output, quiet_from):
+def test_the_log_watchdog_counts_from_the_latest_sign_of_life(attached, last_output, blind, quiet_from):
     a = att(log_watchdog_s=20)
     a.attached_at = attached
+    a.blind_at = blind
 
     class Tail:
         last_output_at = last_output

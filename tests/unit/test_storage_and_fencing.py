@@ -121,3 +121,92 @@ def test_an_attempt_whose_ranks_fenced_themselves_reports_the_fenced_cause(tmp_p
         assert [r.exit_code for r in st.ranks] == [143, 143]
     finally:
         node.stop_all()
+
+
+# ---------------------------------------------------------------- a full log folder (issue 13)
+# /dev/full answers every write with ENOSPC: the rank's log file, the SDK's events file or the
+# agent's temporary files pointed at it stand for a full state folder.
+
+
+def test_a_rank_whose_log_file_is_full_keeps_running_and_its_exit_is_recorded(tmp_path):
+    """Before: the job's print() raised OSError (ENOSPC) and the rank died with exit code 1.
+    Now the wrapper takes the output and drops what cannot be written."""
+    code = "import sys\nfor i in range(2000):\n    print('line', i, 'x' * 100)\nprint('done', file=sys.stderr)\n"
+    with open("/dev/full", "wb") as full:
+        rc = subprocess.run([sys.executable, "-I", "-S", RANKWRAP, "--exit-file", str(tmp_path / "exit"), "--",
+                             sys.executable, "-c", code], stdout=full, stderr=full, timeout=120).returncode
+    assert rc == 0
+    assert json.loads((tmp_path / "exit").read_text())["exit_code"] == 0
+    assert not (tmp_path / "exit.reserve").exists()  # given back once the record is written
+
+
+def test_output_dropped_on_a_full_log_file_is_announced_once_it_takes_writes_again(tmp_path):
+    import os
+
+    from hai.agent import rankwrap
+
+    log = tmp_path / "rank.stdout"
+    full = os.open("/dev/full", os.O_WRONLY)
+    ok = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        sink = rankwrap.Sink(full)
+        sink.write(b"one\ntwo\n")
+        sink.write(b"three\nfour")  # a cut line counts as one
+        assert (sink.dropped_lines, sink.dropped_bytes) == (4, 18)
+        sink.fd = ok  # room again
+        sink.write(b"five\n")
+    finally:
+        os.close(full)
+        os.close(ok)
+    assert log.read_text().splitlines() == [
+        "[hai] 4 lines of output dropped (18 bytes): the log folder was full (No space left on device)", "five"]
+
+
+def test_a_checkpoint_the_platform_could_not_be_told_of_is_a_storage_full(control):
+    """The SDK's events file is in the (full) state folder: report_checkpoint raises StorageFull
+    (the platform does not know that checkpoint: the job must), a progress report is dropped."""
+    (control / "events.0.jsonl").symlink_to("/dev/full")
+    with pytest.raises(sdk.StorageFull) as err:
+        sdk.report_checkpoint("/ck/step-10", 10)
+    assert "no space left to tell the platform (checkpoint)" in str(err.value)
+    sdk.report_progress(5, 10, loss=1.0)  # no error: progress is best effort
+
+
+def test_the_agent_renews_its_lease_and_keeps_its_records_in_memory_on_a_full_folder(tmp_path):
+    import os
+
+    from hai.agent.gpu import FakeGpus
+    from hai.agent.node import LEASE_BYTES, NodeAgent
+    from hai.agent.testing import assignment, wait_for
+
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), kill_grace_s=1.0)
+    try:
+        node.renew_lease(valid_until=time.time() + 60, grace_s=0.3)
+        node.apply([assignment(1, [sys.executable, "-c", "import time; time.sleep(60)"], gpus=[0])])
+        att = next(iter(node.attempts.values()))
+        # the folder fills: every new file the agent writes fails with ENOSPC
+        (node.lease_path.with_name(f"lease.json.tmp{os.getpid()}")).symlink_to("/dev/full")
+        (att.dir / "attempt.json.tmp").symlink_to("/dev/full")
+        node.renew_lease(valid_until=time.time() + 600, grace_s=0.5)  # overwritten in place
+        lease = json.loads(node.lease_path.read_text())
+        assert lease["valid_until"] > time.time() + 500 and node.lease_path.stat().st_size == LEASE_BYTES
+        assert node.store.save(att) is False  # the record stays in memory, no exception
+        assert not (att.dir / "attempt.json.tmp").exists()  # nothing half-written left behind
+        (att.dir / "attempt.json.tmp").symlink_to("/dev/full")
+        with pytest.raises(OSError):
+            node.store.save(att, required=True)  # a launch: no process without its record
+        assert node.check_storage(time.time()) is True
+        st = node.statuses()[0]
+        assert st.storage_errors and "is full (No space left on device)" in st.storage_errors[0]
+        assert "the job keeps running" in st.storage_errors[0]
+        assert [r.state for r in st.ranks] == ["running"]
+        assert not (att.dir / "attempt.json.tmp").exists()  # room again: the next check finds none
+        wait_for(lambda: node.storage_error is None, timeout=10, step=lambda: node.check_storage(time.time() + 10),
+                 what="the folder to have room")
+    finally:
+        node.stop_all()
+        for _ in range(50):
+            node.tick()
+            if not node.running():
+                break
+            time.sleep(0.1)

@@ -19,6 +19,7 @@ surviving a restart; a tombstone is written before an attempt's folder is remove
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -46,12 +47,27 @@ TOMBSTONE_TTL_S = 7 * 24 * 3600
 Key = tuple[int, int]  # (job id, attempt)
 
 
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_full(e: BaseException) -> bool:
+    """The filesystem is full (or the quota used up): ENOSPC / EDQUOT."""
+    return isinstance(e, OSError) and e.errno in FULL_ERRNOS
+
+
 def write_json_atomic(path: Path, data: dict, *, mode: int = 0o644) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
-        os.fchmod(f.fileno(), mode)
-        json.dump(data, f)
-    os.replace(tmp, path)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+            os.fchmod(f.fileno(), mode)
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        try:  # a full disk leaves no half-written temporary behind
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
 
 
 @dataclass
@@ -110,6 +126,7 @@ class Attempt:
     final_reported: bool = False
     drained: bool = False
     attached_at: float = 0.0  # when this agent process took charge (launch or reattach)
+    blind_at: float | None = None  # issue 13: last seen with the log folder full (output unseeable)
     tail: AttemptTail | None = field(default=None, repr=False)
     event_offsets: dict[str, int] = field(default_factory=dict)
 
@@ -210,6 +227,16 @@ class AttemptStore:
         self.done_dir = self.state_dir / "done"
         self.attempts_dir.mkdir(parents=True, exist_ok=True)
         self.done_dir.mkdir(parents=True, exist_ok=True)
+        # issue 13: the last write that failed because the folder is full (ENOSPC/EDQUOT), until
+        # the agent's storage check takes it (NodeAgent.check_storage)
+        self.full_error: str | None = None
+        self.full_told: set[str] = set()  # what was logged as failing, once per spell of a full folder
+
+    def note_full(self, e: OSError, what: str) -> None:
+        if what not in self.full_told:
+            self.full_told.add(what)
+            log.warning("the state folder %s is full: could not write %s (%s)", self.state_dir, what, e.strerror)
+        self.full_error = e.strerror or str(e)
 
     # -- records
     def new(self, *, job_id: int, attempt: int, spec: LaunchSpec, now: float, assigned: DesiredAction) -> Attempt:
@@ -224,8 +251,18 @@ class AttemptStore:
         att.ranks_dir.mkdir(parents=True, exist_ok=True)
         return att
 
-    def save(self, att: Attempt) -> None:
-        write_json_atomic(att.dir / "attempt.json", att.to_json(), mode=0o600)  # holds the job's env
+    def save(self, att: Attempt, *, required: bool = False) -> bool:
+        """Write the attempt's record. On a full folder (issue 13) the record on disk stays the
+        last one written and the agent goes on from memory (it writes again at the next change):
+        False, unless ``required`` (a launch: no process before its record), which raises."""
+        try:
+            write_json_atomic(att.dir / "attempt.json", att.to_json(), mode=0o600)  # holds the job's env
+        except OSError as e:
+            if required or not is_full(e):
+                raise
+            self.note_full(e, f"the record of job {att.job_id} attempt {att.attempt}")
+            return False
+        return True
 
     def load(self) -> list[Attempt]:
         """Every readable record, in folder order. A folder without a record (the agent crashed
@@ -245,7 +282,14 @@ class AttemptStore:
     # -- control files (the SDK's side of the suspend handshake)
     def request_suspend(self, att: Attempt, *, at: float) -> None:
         att.suspend_requested_at = at
-        write_json_atomic(att.control_dir / SUSPEND_FILE, {"requested_at": at, "grace_s": att.spec.suspend_grace_s})
+        try:
+            write_json_atomic(att.control_dir / SUSPEND_FILE, {"requested_at": at, "grace_s": att.spec.suspend_grace_s})
+        except OSError as e:
+            if not is_full(e):
+                raise
+            # the job cannot be asked (a full folder): it is stopped after the grace, and resumes
+            # from its last reported checkpoint
+            self.note_full(e, f"the suspend request of job {att.job_id}")
         self.save(att)
 
     def cancel_suspend(self, att: Attempt) -> None:
@@ -277,10 +321,23 @@ class AttemptStore:
             except OSError:
                 pass
 
-    def forget(self, att: Attempt) -> None:
-        """Tombstone first, then the folder: the attempt is never launched again."""
-        self.write_tombstone(att.status())
+    def forget(self, att: Attempt) -> bool:
+        """Tombstone first, then the folder: the attempt is never launched again. False (nothing
+        removed; the caller keeps the attempt and tries again later) when the tombstone cannot
+        be written because the folder is full."""
+        try:
+            self.write_tombstone(att.status())
+        except OSError as e:
+            if not is_full(e):
+                raise
+            self.note_full(e, f"the tombstone of job {att.job_id} attempt {att.attempt}")
+            try:
+                self.tombstone_path(att.key).unlink()
+            except OSError:
+                pass
+            return False
         shutil.rmtree(att.dir, ignore_errors=True)
+        return True
 
 
 def reattach(att: Attempt, *, now: float) -> None:

@@ -9,7 +9,8 @@ how they are started and stopped.
   InfiniBand NIC of that NUMA node (NCCL_IB_HCA, HAI_NIC) where the node has InfiniBand.
 
 Each rank runs under the rank wrapper (``rankwrap.py``) as the leader of its own session and
-process group, never through a shell, with stdout/stderr going to files in the attempt's folder.
+process group, never through a shell; the wrapper copies the rank's stdout/stderr into files in
+the attempt's folder.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Log capture and shipping.
 
-Ranks write stdout/stderr to files in the attempt's folder (so they never depend on the agent).
+Each rank's wrapper (rankwrap.py) copies the rank's stdout/stderr into files in the attempt's
+folder (so they never depend on the agent; on a full folder the output is dropped with a marker,
+never the rank).
 A tailer reads new complete lines from those files (persisting read offsets and the per-rank
 ``seq`` counter, so an agent restart continues where it stopped) and offers them to a BOUNDED
 buffer; the shipper drains the buffer in batches to the server. A job is never blocked by log
@@ -10,6 +12,7 @@ in-band as a ``system`` line ``[hai] N lines dropped (log buffer full)`` in the 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ from hai.protocol import LogLine
 log = logging.getLogger("hai.agent.logs")
 
 MAX_LINE_BYTES = 16 * 1024  # longer lines are cut (the rest becomes the next line)
+LINE_OVERHEAD = 128  # a line's JSON fields besides its text, counted in a batch's size
 READ_CHUNK = 1 << 20  # bytes read per file per round
 
 
@@ -65,7 +69,9 @@ class LogBuffer:
         return n
 
     def take(self, max_lines: int, max_bytes: int, timeout: float) -> list[LogLine]:
-        """Up to max_lines/max_bytes lines; waits up to ``timeout`` for the first one."""
+        """Up to max_lines/max_bytes lines; waits up to ``timeout`` for the first one.
+        ``max_bytes`` bounds the batch as sent: each line counts its text plus LINE_OVERHEAD
+        (its JSON fields)."""
         with self._cond:
             if not self._q:
                 self._cond.wait(timeout)
@@ -73,11 +79,11 @@ class LogBuffer:
             size = 0
             while self._q and len(out) < max_lines:
                 ln = self._q[0]
-                if out and size + len(ln.line) > max_bytes:
+                if out and size + len(ln.line) + LINE_OVERHEAD > max_bytes:
                     break
                 self._q.popleft()
                 self._bytes -= len(ln.line)
-                size += len(ln.line)
+                size += len(ln.line) + LINE_OVERHEAD
                 out.append(ln)
             return out
 
@@ -112,8 +118,11 @@ class AttemptTail:
     last_output_at: float | None = None
     lines_total: int = 0
     dropped_total: int = 0
+    save_error: str | None = None  # the last save that failed on a full folder (issue 13)
 
     def save(self) -> None:
+        """Persist the offsets and seqs. On a full folder (issue 13) they stay in memory (the
+        next save writes them): only a restart meanwhile would read some lines again."""
         data = {
             "ranks": {
                 str(r.rank): {"seq": r.seq, "dropped": r.dropped,
@@ -124,9 +133,18 @@ class AttemptTail:
             "dropped_total": self.dropped_total,
         }
         tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.state_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.save_error = e.strerror or str(e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def load(self) -> None:
         try:
@@ -262,10 +280,19 @@ def tail_attempt(t: AttemptTail, buf: LogBuffer, *, final: bool, now: Callable[[
 
 class LogShipper(threading.Thread):
     """Drains the buffer in batches through ``send(lines)``; a failed batch is retried (with
-    backoff) — seqs make re-sends harmless — while the buffer keeps absorbing (and dropping)."""
+    backoff) — seqs make re-sends harmless — while the buffer keeps absorbing (and dropping).
+
+    A batch stays under the server's request size limit (``limits.max_body_bytes``, 1 MiB by
+    default): ``batch_bytes`` (512 KiB) counts each line's text plus its JSON fields, and a batch
+    the server still refuses as too large (HTTP 413: text that JSON escapes, or a lower limit)
+    is sent in halves; a single line refused so (a server limit under ~100 KiB) is dropped and
+    logged by the agent.
+    Before (issue 13's audit), a 1 MiB batch of text was 1.2 MiB of JSON: the server answered
+    413, and the shipper retried that batch for ever, so nothing more of the node's logs
+    arrived."""
 
     def __init__(self, buf: LogBuffer, send: Callable[[list[LogLine]], None], *,
-                 stop: threading.Event, batch_lines: int = 2000, batch_bytes: int = 1 << 20,
+                 stop: threading.Event, batch_lines: int = 2000, batch_bytes: int = 512 << 10,
                  backoff_max_s: float = 10.0):
         super().__init__(name="hai-agent-logs", daemon=True)
         self.buf = buf
@@ -275,10 +302,12 @@ class LogShipper(threading.Thread):
         self.batch_bytes = batch_bytes
         self.backoff_max_s = backoff_max_s
         self.shipped = 0
+        self.refused = 0  # single lines the server refused as too large (dropped)
         self.idle = threading.Event()
 
     def run(self) -> None:
         pending: list[LogLine] = []
+        n = 0  # how many of ``pending`` the next send carries
         backoff = 0.2
         while True:
             if not pending:
@@ -289,14 +318,25 @@ class LogShipper(threading.Thread):
                     self.idle.set()
                     continue
                 self.idle.clear()
+                n = len(pending)
             try:
-                self.send(pending)
+                self.send(pending[:n])
             except Exception as e:  # server unreachable or refusing: keep the batch, back off
+                if getattr(e, "status", None) == 413:  # too large for the server: halve it
+                    if n > 1:
+                        n //= 2
+                        continue
+                    log.warning("the server refused a log line of job %s as too large; dropped", pending[0].job_id)
+                    self.refused += 1
+                    pending = pending[1:]
+                    n = len(pending)
+                    continue
                 log.debug("log shipping failed (%s); retrying in %.1fs", e, backoff)
                 if self.stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
-            self.shipped += len(pending)
-            pending = []
+            self.shipped += n
+            pending = pending[n:]
+            n = min(len(pending), max(n, 1))
             backoff = 0.2

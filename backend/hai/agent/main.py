@@ -261,6 +261,15 @@ class Agent:
         self.backoff.reset()
         reply = res.reply
         assert reply is not None
+        try:
+            return self._apply_reply(res, reply)
+        except OSError as e:
+            # the node's own trouble (a full state folder, issue 13): the agent keeps running and
+            # heartbeating; the reply is applied again with the next one (replies are idempotent)
+            log.error("could not apply the server's reply: %s", e)
+            return None
+
+    def _apply_reply(self, res: _Result, reply: ServerReply) -> float | None:
         self.node.mark_reported(res.statuses)
         if not reply.reregister:  # issue 10: delivered reports, new validation runs
             self.validator.acknowledge(res.validation_ids, reply.validations)

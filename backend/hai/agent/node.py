@@ -11,16 +11,18 @@ only touches the tail state (guarded by ``self._tail_lock``).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hai.agent import launcher, supervision
-from hai.agent.attempts import Attempt, AttemptStore, Key, Rank, read_events, reattach
+from hai.agent.attempts import Attempt, AttemptStore, Key, Rank, is_full, read_events, reattach
 from hai.agent.gpu import GpuBackend
 from hai.agent.logs import LogBuffer, tail_attempt
 from hai.agent.procs import SIGKILL_EXIT, exit_code_from_returncode, is_alive, signal_group
@@ -28,6 +30,9 @@ from hai.agent.users import UnmappedUser, UserMap, own_private
 from hai.protocol import Assignment, AttemptStatus, DesiredAction, GpuMetrics, NicInfo, StopCause
 
 log = logging.getLogger("hai.agent")
+
+LEASE_BYTES = 128  # the lease file's fixed size: on a full folder it is overwritten in place
+STORAGE_CHECK_S = 1.0
 
 
 class NodeAgent:
@@ -71,11 +76,74 @@ class NodeAgent:
         # issue 13: the lease every rank wrapper reads (rankwrap.py --lease): renewed each time
         # the agent reaches the server; once it runs out, the ranks stop themselves
         self.lease_path = self.state_dir / "lease.json"
+        # issue 13: the state folder (the ranks' log files, the records, the lease) is full: the
+        # message reported on every running attempt (None: it has room)
+        self.storage_error: str | None = None
+        self._next_storage_check = 0.0
 
     def renew_lease(self, *, valid_until: float, grace_s: float) -> None:
+        data = json.dumps({"valid_until": valid_until, "grace_s": grace_s}).encode().ljust(LEASE_BYTES)
         tmp = self.lease_path.with_name(f"lease.json.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"valid_until": valid_until, "grace_s": grace_s}))
-        os.replace(tmp, self.lease_path)
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.lease_path)
+        except OSError as e:
+            if not is_full(e) or not self.lease_path.exists():
+                raise
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            # a full folder (issue 13): the ranks must not stop for want of a renewed lease, so it
+            # is overwritten in place (same size: its blocks exist, no new space is needed)
+            fd = os.open(self.lease_path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, 0)
+            finally:
+                os.close(fd)
+            self.store.note_full(e, "the lease")
+
+    # ------------------------------------------------------------------ a full state folder (issue 13)
+
+    def check_storage(self, now: float) -> bool:
+        """Whether the state folder is full: a write of the agent's failed with ENOSPC/EDQUOT
+        since the last check, or the filesystem has no block left for an unprivileged writer
+        (the ranks). While it is, every running attempt carries the message in its
+        ``storage_errors`` (the server records it once as a job event: "storage full on node
+        N: log folder ..."). The ranks' output is dropped meanwhile (rankwrap), not the ranks.
+        Returns whether an attempt's report changed."""
+        if now < self._next_storage_check:
+            return False
+        self._next_storage_check = now + STORAGE_CHECK_S
+        error, self.store.full_error = self.store.full_error, None
+        for att in self.attempts.values():
+            if att.tail is not None and att.tail.save_error:
+                error, att.tail.save_error = error or att.tail.save_error, None
+        if error is None:
+            try:
+                if os.statvfs(self.state_dir).f_bavail == 0:
+                    error = os.strerror(errno.ENOSPC)
+            except OSError:
+                pass
+        was = self.storage_error
+        if error is None:
+            if was is not None:
+                log.info("the state folder %s has room again", self.state_dir)
+            self.storage_error = None
+            self.store.full_told.clear()
+            return False
+        self.storage_error = (f"log folder {self.state_dir} is full ({error}): the ranks' output is dropped "
+                              "until there is room; the job keeps running")
+        if was is None:
+            log.warning("%s", self.storage_error)
+        changed = False
+        for att in self.attempts.values():
+            if not att.finished:
+                att.blind_at = now  # its output cannot be seen: the log watchdog does not count this
+            if not att.finished and self.storage_error not in att.storage_errors:
+                att.storage_errors = [*att.storage_errors, self.storage_error][-5:]
+                changed = True
+        return changed
 
     # ------------------------------------------------------------------ recovery
 
@@ -156,7 +224,12 @@ class NodeAgent:
         st = AttemptStatus(job_id=a.job_id, attempt=a.attempt, finished=True, stop_cause=StopCause.NOT_LAUNCHED,
                            stopped_reason=f"{a.action} arrived before this node launched the attempt",
                            finished_at=self.clock())
-        self.store.write_tombstone(st)
+        try:
+            self.store.write_tombstone(st)
+        except OSError as e:  # a full folder: remembered in memory only (issue 13)
+            if not is_full(e):
+                raise
+            self.store.note_full(e, f"the tombstone of job {a.job_id} attempt {a.attempt}")
         self.ghosts[(a.job_id, a.attempt)] = st
         self.on_change()
 
@@ -179,10 +252,28 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ launching
 
+    def _defer_for_storage(self, a: Assignment, e: OSError, att: Attempt | None) -> None:
+        """The attempt's record cannot be written (a full folder, issue 13): no process is started
+        without one (a restarted agent could not find it). It waits, as for busy GPUs, and is
+        launched once there is room; its report carries the reason meanwhile."""
+        self.store.note_full(e, f"the record of job {a.job_id} attempt {a.attempt}")
+        if att is not None:
+            self.attempts.pop(att.key, None)
+            self.launches -= 1
+            shutil.rmtree(att.dir, ignore_errors=True)
+        self.pending[(a.job_id, a.attempt)] = a
+        self.on_change()
+
     def _launch(self, a: Assignment) -> None:
         now = self.clock()
         spec = a.spec
-        att = self.store.new(job_id=a.job_id, attempt=a.attempt, spec=spec, now=now, assigned=a.action)
+        try:
+            att = self.store.new(job_id=a.job_id, attempt=a.attempt, spec=spec, now=now, assigned=a.action)
+        except OSError as e:
+            if not is_full(e):
+                raise
+            self._defer_for_storage(a, e, None)
+            return
         ckpt = self.checkpoint_dir(a.job_id)
         self.attempts[att.key] = att
         self.launches += 1
@@ -219,7 +310,13 @@ class NodeAgent:
             return
         att.ranks = [Rank(rank=p.rank, local_rank=p.local_rank, gpus=p.gpus) for p in plans]
         att.tail = att.make_tail()
-        self.store.save(att)  # the record exists before any process does
+        try:
+            self.store.save(att, required=True)  # the record exists before any process does
+        except OSError as e:
+            if not is_full(e):
+                raise
+            self._defer_for_storage(a, e, att)
+            return
         att.started_at = self.clock()
         for plan, r in zip(plans, att.ranks):
             try:
@@ -327,6 +424,8 @@ class NodeAgent:
             for key, a in list(self.pending.items()):
                 if key not in self.attempts:
                     self._launch_or_defer(a)
+            if self.check_storage(now):
+                self.on_change()
             self._forget_done()
 
     def _supervise(self, att: Attempt, now: float) -> None:
@@ -389,7 +488,8 @@ class NodeAgent:
             if not (att.finished and att.final_reported and att.assigned is None and att.drained):
                 continue
             with self._tail_lock:
-                self.store.forget(att)
+                if not self.store.forget(att):
+                    continue  # a full folder: forgotten once there is room (issue 13)
                 del self.attempts[key]
             log.info("forgot job %s attempt %s", att.job_id, att.attempt)
 
@@ -398,8 +498,9 @@ class NodeAgent:
     def statuses(self) -> list[AttemptStatus]:
         with self.lock:
             out = [a.status() for _, a in sorted(self.attempts.items())]
+            waiting = [self.storage_error] if self.storage_error else []  # issue 13
             for key, a in sorted(self.pending.items()):
-                out.append(AttemptStatus(job_id=a.job_id, attempt=a.attempt))
+                out.append(AttemptStatus(job_id=a.job_id, attempt=a.attempt, storage_errors=waiting))
             out.extend(st for _, st in sorted(self.ghosts.items()))
             return out
 

@@ -22,6 +22,15 @@ exit files and reattach — no second launch, no orphan.
   never runs twice. No lease file (an agent that never reached a server that sends the limit):
   no fencing.
 
+- Output (issue 13, a full log folder): the command writes into two pipes that the wrapper copies
+  into the rank's log files (its own stdout/stderr, opened by the agent). When a file cannot be
+  written (the log folder is full, ENOSPC/EDQUOT) the output is dropped and counted — the command
+  never blocks and never sees an error — and once a write succeeds again (the next output, or a
+  retry every second) a line ``[hai] N lines of output dropped (B bytes): the log folder was full
+  (No space left on device)`` comes first. Space for the exit record is reserved at start
+  (``<exit file>.reserve``, given back just before the record is written), so a full folder does
+  not lose the exit code either.
+
 Exit codes follow the shell convention: 128 + N when the command was killed by signal N, 127 when
 it could not be found, 126 when it could not be executed.
 
@@ -31,23 +40,144 @@ isolated mode, so the job's environment (PYTHONPATH, PYTHONHOME, ...) cannot bre
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+RESERVE_BYTES = 16384  # room kept for the exit record (and its temporary file)
+MARKER_RETRY_S = 1.0
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+PIPE_BYTES = 1 << 20
+
+
+class Sink:
+    """One of the rank's log files (a file descriptor the agent opened, O_APPEND). ``write``
+    never raises: what cannot be written is dropped and counted, and the count is written as a
+    marker line before the next data once the file takes writes again."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.dropped_bytes = 0
+        self.dropped_lines = 0
+        self.error: str | None = None
+        self.at_line_start = True
+        self.last_try = 0.0
+
+    def _write_all(self, data: bytes) -> int:
+        """Bytes written before an error (all of them when none)."""
+        done = 0
+        while done < len(data):
+            try:
+                n = os.write(self.fd, data[done:])
+            except InterruptedError:
+                continue
+            except OSError as e:
+                self.error = os.strerror(e.errno) if e.errno else str(e)
+                break
+            if n <= 0:
+                break
+            done += n
+        if done:
+            self.at_line_start = data[done - 1 : done] == b"\n"
+        return done
+
+    def _drop(self, data: bytes) -> None:
+        if not data:
+            return
+        self.dropped_bytes += len(data)
+        self.dropped_lines += data.count(b"\n") + (0 if data.endswith(b"\n") else 1)
+
+    def flush_marker(self) -> bool:
+        """Write the pending drop marker (if any); False while the file still takes nothing."""
+        if not self.dropped_bytes:
+            return True
+        self.last_try = time.monotonic()
+        marker = ((b"" if self.at_line_start else b"\n") +
+                  (f"[hai] {self.dropped_lines} lines of output dropped ({self.dropped_bytes} bytes): "
+                   f"the log folder was full ({self.error or 'write failed'})\n").encode())
+        n = self._write_all(marker)
+        if n < len(marker):
+            if n:  # a part of the marker went out: end its line, count on
+                self._write_all(b"\n")
+            return False
+        self.dropped_bytes = self.dropped_lines = 0
+        return True
+
+    def write(self, data: bytes) -> None:
+        if self.dropped_bytes and not self.flush_marker():
+            self._drop(data)
+            return
+        n = self._write_all(data)
+        if n < len(data):
+            # the rest of a line cut by the error is dropped with it
+            self._drop(data[n:])
+
+    def retry_due(self, now: float) -> bool:
+        return bool(self.dropped_bytes) and now - self.last_try >= MARKER_RETRY_S
+
+
+def _say(msg: str) -> None:
+    """A line of the wrapper's own on the rank's stderr; never raises (the folder may be full)."""
+    try:
+        os.write(2, (msg + "\n").encode())
+    except OSError:
+        pass
+
+
+def _reserve(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0" * RESERVE_BYTES)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # already full: the record is written if it can be
+
+
+def _write_exit(path: str, data: dict) -> None:
+    """The exit record, atomically; on a full folder the space reserved at start is given back
+    first. Never raises: without a record the agent still has the wrapper's own exit code."""
+    reserve = path + ".reserve"
+    try:
+        _write_atomic(path, data)
+    except OSError:
+        try:
+            os.unlink(reserve)
+        except OSError:
+            pass
+        try:
+            _write_atomic(path, data)
+        except OSError as e:
+            _say(f"[hai] rankwrap: could not write the exit record {path}: {e}")
+            return
+    try:
+        os.unlink(reserve)
+    except OSError:
+        pass
 
 
 def _write_atomic(path: str, data: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -194,23 +324,46 @@ def main(argv: list[str]) -> int:
         try:
             os.sched_setaffinity(0, cpus)
         except OSError as e:
-            print(f"[hai] could not bind to CPUs {cpus}: {e}", file=sys.stderr, flush=True)
+            _say(f"[hai] could not bind to CPUs {cpus}: {e}")
+
+    _reserve(exit_file + ".reserve")
+    # the command's output goes through pipes to the rank's log files (our stdout/stderr): a full
+    # log folder drops output, never the command (Sink)
+    sinks: dict[int, Sink] = {}
+    pipes: list[tuple[int, int]] = []
+    for fd in (1, 2):
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        try:  # room for a burst of output while the wrapper copies (64 KiB by default)
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
+        pipes.append((r, w))
+        sinks[r] = Sink(fd)
+    # SIGCHLD wakes the loop below at once (a handler, not SIG_IGN: the child's exec resets it)
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
     try:
         # --uid: the command runs as the submitter's account (issue 13); the wrapper keeps the
         # agent's user, to write the exit file and clean up after the command
         as_user = {} if uid is None else {"user": uid, "group": gid, "extra_groups": groups}
-        child = subprocess.Popen(cmd, **as_user)
+        child = subprocess.Popen(cmd, stdout=pipes[0][1], stderr=pipes[1][1], **as_user)
     except FileNotFoundError:
-        print(f"[hai] command not found: {cmd[0]}", file=sys.stderr, flush=True)
+        _say(f"[hai] command not found: {cmd[0]}")
         code = 127
-        _write_atomic(exit_file, {"exit_code": code, "at": time.time(), "error": "not found"})
+        _write_exit(exit_file, {"exit_code": code, "at": time.time(), "error": "not found"})
         return code
     except OSError as e:
-        print(f"[hai] could not execute {cmd[0]}: {e}", file=sys.stderr, flush=True)
+        _say(f"[hai] could not execute {cmd[0]}: {e}")
         code = 126
-        _write_atomic(exit_file, {"exit_code": code, "at": time.time(), "error": str(e)})
+        _write_exit(exit_file, {"exit_code": code, "at": time.time(), "error": str(e)})
         return code
+    for _, w in pipes:
+        os.close(w)
 
     if pid_file:
         try:
@@ -221,42 +374,90 @@ def main(argv: list[str]) -> int:
         except OSError:
             pass
 
+    sel = selectors.DefaultSelector()
+    sel.register(wake_r, selectors.EVENT_READ)
+    for r, _ in pipes:
+        sel.register(r, selectors.EVENT_READ)
+
+    def pump(timeout: float | None) -> bool:
+        """Copy what the pipes hold to the files (waiting up to ``timeout`` for something).
+        True when a pipe gave data or was closed."""
+        moved = False
+        for key, _ in sel.select(timeout):
+            fd = key.fd
+            if fd == wake_r:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            moved = True
+            if data:
+                sinks[fd].write(data)
+            else:  # every writer has closed it
+                sel.unregister(fd)
+                os.close(fd)
+        now = time.monotonic()
+        for sink in sinks.values():
+            if sink.retry_due(now):
+                sink.flush_marker()
+        return moved
+
+    def drain(until: float, *, to_eof: bool) -> None:
+        """Copy what is left in the pipes: until they are empty (``to_eof``: until every writer
+        has closed them), or ``until`` (monotonic) at the latest."""
+        while any(fd in sinks for fd in sel.get_map()) and time.monotonic() < until:
+            if not pump(0.05) and not to_eof:
+                return
+
     status = None
     fenced_at: float | None = None
     killed = False
     while status is None:
-        try:
-            pid, st = os.waitpid(-1, os.WNOHANG if lease_file else 0)
-        except ChildProcessError:  # pragma: no cover - the child is ours, cannot happen
+        while True:
+            try:
+                pid, st = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # pragma: no cover - the child is ours, cannot happen
+                pid, st = child.pid, 0
+            if pid == 0:
+                break
+            if pid == child.pid:
+                status = st
+                break
+        if status is not None:
             break
-        if pid == child.pid:
-            status = st
-            continue
-        if pid != 0 or not lease_file:
-            continue
-        now = time.time()
-        if fenced_at is None:
-            grace = _lease_expired(lease_file, now)
-            if grace is not None:
-                fenced_at, fence_grace = now, grace
-                print(f"[hai] the agent has not reached the server in time (lease {lease_file} ran out): "
-                      "stopping this rank so that it never runs twice", file=sys.stderr, flush=True)
-                if os.getpgrp() == me:  # as the agent starts us: our group is the rank's
-                    _signal_group(me, signal.SIGTERM)
-                else:
+        if lease_file:
+            now = time.time()
+            if fenced_at is None:
+                grace = _lease_expired(lease_file, now)
+                if grace is not None:
+                    fenced_at, fence_grace = now, grace
+                    _say(f"[hai] the agent has not reached the server in time (lease {lease_file} ran out): "
+                         "stopping this rank so that it never runs twice")
+                    if os.getpgrp() == me:  # as the agent starts us: our group is the rank's
+                        _signal_group(me, signal.SIGTERM)
+                    else:
+                        try:
+                            os.kill(child.pid, signal.SIGTERM)
+                        except OSError:
+                            pass
+            elif not killed and now - fenced_at >= fence_grace:
+                killed = True
+                for left in _leftovers(me):  # not the group: it holds this wrapper too
                     try:
-                        os.kill(child.pid, signal.SIGTERM)
+                        os.kill(left, signal.SIGKILL)
                     except OSError:
                         pass
-        elif not killed and now - fenced_at >= fence_grace:
-            killed = True
-            for left in _leftovers(me):  # not the group: it holds this wrapper too
-                try:
-                    os.kill(left, signal.SIGKILL)
-                except OSError:
-                    pass
-        time.sleep(0.05 if fenced_at is not None else 0.25)
+        pump(0.05 if fenced_at is not None else (0.25 if lease_file else 1.0))
     child.returncode = 0  # reaped by hand above; keep Popen from waiting again
+    drain(time.monotonic() + 2.0, to_eof=False)  # the command's last output (descendants may hold the pipes)
     rc = os.waitstatus_to_exitcode(status) if status is not None else 1
     code = 128 - rc if rc < 0 else rc
     record = {"exit_code": code, "at": time.time()}
@@ -264,8 +465,11 @@ def main(argv: list[str]) -> int:
         record["fenced"] = True
     if rc < 0:
         record["signal"] = -rc
-    _write_atomic(exit_file, record)
+    _write_exit(exit_file, record)
     _cleanup(me)
+    drain(time.monotonic() + 1.0, to_eof=True)  # what the leftovers wrote before they were killed
+    for sink in sinks.values():
+        sink.flush_marker()  # a last try: the count of dropped output, if there is room now
     return code
 
 

@@ -12,7 +12,9 @@ The ladder, first match wins:
      without suspend_ready()                                       -> stop, ``suspend_timeout``
   4. running longer than ``max_runtime_s``                         -> stop, ``max_runtime``
   5. no output for ``log_watchdog_s`` (counted from the start, the
-     agent taking charge, or the last line, whichever is latest)   -> stop, ``log_watchdog``
+     agent taking charge, the last line, or the last moment the
+     log folder was full — output dropped there is not silence —
+     whichever is latest)                                          -> stop, ``log_watchdog``
 - stopping, the SIGKILL not sent yet, the stop grace passed        -> kill
 """
 
@@ -79,7 +81,7 @@ def deadline(att: Attempt, now: float, *, kill_grace_s: float) -> Due | None:
         return Due("stop", StopCause.MAX_RUNTIME, f"max_runtime_s={ms:g}s exceeded")
     wd = att.spec.log_watchdog_s
     if wd is not None:
-        last = max(att.started_at, att.attached_at, att.last_output_at or 0.0)
+        last = max(att.started_at, att.attached_at, att.last_output_at or 0.0, att.blind_at or 0.0)
         if now - last >= wd:
             return Due("stop", StopCause.LOG_WATCHDOG, f"no output for log_watchdog_s={wd:g}s")
     return None

@@ -70,7 +70,10 @@ def _rank() -> int:
         return 0
 
 
-def _emit(event: dict) -> None:
+def _emit(event: dict, *, tell: bool = True) -> None:
+    """Append one event for the agent. A full control folder (ENOSPC/EDQUOT, issue 13) raises
+    :class:`StorageFull` when ``tell`` (the platform did not get a checkpoint or a suspend_ready:
+    the job should know); progress reports (``tell=False``) are dropped instead."""
     d = control_dir()
     if d is None:
         return
@@ -84,6 +87,12 @@ def _emit(event: dict) -> None:
         return  # the agent's folder vanished: nothing to report to
     try:
         os.write(fd, data)
+    except OSError as e:
+        if e.errno not in _FULL_ERRNOS:
+            raise
+        if tell:
+            raise StorageFull(e.errno, f"no space left to tell the platform ({event.get('type')}): "
+                              f"{e.strerror}", d) from e
     finally:
         os.close(fd)
 
@@ -277,7 +286,10 @@ def _flush_progress() -> None:
         ev = _state.progress_pending
         _state.progress_pending = None
     if ev is not None:
-        _emit(ev)
+        try:
+            _emit(ev, tell=False)
+        except OSError:
+            pass
 
 
 atexit.register(_flush_progress)
@@ -299,7 +311,7 @@ def report_progress(step: int, total: int | None = None, **metrics: float) -> No
             return
         _state.progress_last_write = now
         _state.progress_pending = None
-    _emit(ev)
+    _emit(ev, tell=False)
 
 
 # ------------------------------------------------------------------ storage errors (issue 13)
@@ -308,7 +320,9 @@ def report_progress(step: int, total: int | None = None, **metrics: float) -> No
 class StorageFull(OSError):
     """A write to the job's checkpoint or log folder failed because its filesystem is full (or
     over quota). The platform has been told (a job event); the job decides: skip this checkpoint
-    and go on, free space, or exit. Raised by :func:`storage` and by CheckpointManager.wait()."""
+    and go on, free space, or exit. Raised by :func:`storage` and by CheckpointManager.wait(),
+    and by :func:`report_checkpoint` / :func:`suspend_ready` when the node's folder for the
+    SDK's events is full (the platform did not get that report)."""
 
 
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -318,7 +332,7 @@ def report_storage_full(path: str, error: BaseException | str) -> None:
     """Tell the platform that writing ``path`` failed for lack of space (the node agent records
     it as a job event). Called by :func:`storage`; a no-op outside the platform."""
     try:
-        _emit({"type": "storage_full", "path": os.path.abspath(path), "error": str(error)[:500]})
+        _emit({"type": "storage_full", "path": os.path.abspath(path), "error": str(error)[:500]}, tell=False)
     except OSError:
         pass  # the agent's folder is full too: the error still reaches the job
 

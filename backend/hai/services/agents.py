@@ -83,9 +83,13 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     now = utcnow()
     # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
     # a heartbeat overwrites the metrics and reads the inventory only for a validation run
+    # the node's row first, held to the commit (FOR NO KEY UPDATE: allocations' foreign keys
+    # still pass): a reaper that holds it is waited for and its verdict read (issue 13), and one
+    # that comes later sees this heartbeat (services/reaper.py)
     row = session.execute(
         select(Node, node_health.has_pending_run()).where(Node.name == hb.node)
         .options(defer(Node.gpu_inventory), defer(Node.gpu_metrics), defer(Node.nics))
+        .with_for_update(key_share=True, of=Node)
     ).first()
     if row is None:
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)

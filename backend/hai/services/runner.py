@@ -4,7 +4,8 @@ arrives less than ``scheduler.coalesce_s`` after the last cycle started waits fo
 burst of N submissions costs about burst/coalesce_s cycles, not N, and a job waits at most
 coalesce_s plus one cycle before one considers it (issue 12). A slow cycle is followed by a rest
 in proportion (``scheduler.max_busy_share``), so cycles over a deep queue do not run back to back.
-Also reaps silent nodes (idempotent; Celery beat does it too)."""
+Also reaps silent nodes, fenced by the same lease (services/reaper.py; Celery beat reaps too, with
+conditional writes)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ class SchedulerLoop:
     def cycle_once(self, lease: Lease | None = None) -> CycleResult:
         settings = self.platform.settings
         with self.platform.sessions() as session:
-            reaper.mark_lost_nodes(session=session, settings=settings)
+            reaper.mark_lost_nodes(session=session, settings=settings, lease=lease)
         if self.platform.read_sessions is self.platform.sessions:  # PostgreSQL: reads never block a writer
             with self.platform.sessions() as session:
                 return run_cycle(session, settings=settings, lease=lease)
