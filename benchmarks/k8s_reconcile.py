@@ -172,23 +172,26 @@ def main() -> None:
     start = time.perf_counter()
     marks: dict[str, float] = {}
 
-    def count_placed() -> int:
-        with platform.sessions() as s:
-            return s.scalar(select(text("count(*)")).select_from(Job).where(Job.state != "queued"))
+    # the marks' own polling, in the platform's process: one plain statement per poll (issue 14:
+    # two ORM sessions and queries every 0.2 s were 2% of the process's samples)
+    count_stmt = text("SELECT COALESCE(SUM(CASE WHEN state <> 'queued' THEN 1 ELSE 0 END), 0), "
+                      "COALESCE(SUM(CASE WHEN state = 'succeeded' THEN 1 ELSE 0 END), 0) FROM jobs")
 
-    def count_succeeded() -> int:
-        with platform.sessions() as s:
-            return s.scalar(select(text("count(*)")).select_from(Job).where(Job.state == "succeeded"))
+    def counts() -> tuple[int, int]:  # (placed: no longer queued, succeeded)
+        with platform.engine.connect() as c:
+            placed, succeeded = c.execute(count_stmt).one()
+            return int(placed), int(succeeded)
 
     while True:
         el = time.perf_counter() - start
-        if "jobs_placed_s" not in marks and count_placed() >= args.jobs:
+        placed, succeeded = counts() if "jobs_succeeded_s" not in marks else (args.jobs, args.jobs)
+        if "jobs_placed_s" not in marks and placed >= args.jobs:
             marks["jobs_placed_s"] = el
         if "pods_created_s" not in marks and backend.pods_created >= args.jobs:
             marks["pods_created_s"] = el
         if "pods_started_s" not in marks and stats()["started"] >= args.jobs:
             marks["pods_started_s"] = el
-        if "jobs_succeeded_s" not in marks and count_succeeded() >= args.jobs:
+        if "jobs_succeeded_s" not in marks and succeeded >= args.jobs:
             marks["jobs_succeeded_s"] = el
         if "jobs_succeeded_s" in marks:
             left = json.loads(core.list_namespaced_pod("hai-jobs", _preload_content=False).data)["items"]

@@ -26,7 +26,7 @@ from hai.db.models import Node
 from hai.domain.nodes import NodeState
 from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, Heartbeat, ServerReply
 from hai.services import metrics_store, node_health, notify, reports
-from hai.services.assignments import active_allocations, assigned, assignments_for, digest
+from hai.services.assignments import active_allocations, active_allocations_of, assigned, assignments_for, digest
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit
 from hai.services.node_state import create_node
@@ -77,6 +77,9 @@ def register(*, session: Session, hello: AgentHello, settings: Settings) -> Serv
     return reply
 
 
+_HEARTBEAT_NODE = (defer(Node.gpu_inventory), defer(Node.gpu_metrics), defer(Node.nics))
+
+
 def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict | None = None) -> ServerReply:
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
@@ -87,8 +90,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     # still pass): a reaper that holds it is waited for and its verdict read (issue 13), and one
     # that comes later sees this heartbeat (services/reaper.py)
     row = session.execute(
-        select(Node, node_health.has_pending_run()).where(Node.name == hb.node)
-        .options(defer(Node.gpu_inventory), defer(Node.gpu_metrics), defer(Node.nics))
+        select(Node, node_health.has_pending_run()).where(Node.name == hb.node).options(*_HEARTBEAT_NODE)
         .with_for_update(key_share=True, of=Node)
     ).first()
     if row is None:
@@ -100,6 +102,65 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
         return ServerReply(node=hb.node, assignments_digest="", reregister=True)
     metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
     allocs = active_allocations(session, node.name)
+    reply = _heartbeat(session, hb, node, bool(maybe_pending), allocs, settings=settings, now=now)
+    if seen is not None:
+        seen["state"] = node.state
+    session.commit()
+    return reply
+
+
+def heartbeats(*, session: Session, hbs: list[Heartbeat], settings: Settings) -> list[ServerReply]:
+    """The heartbeats of several nodes (one each) in one transaction, replies in their order:
+    each node's is what ``heartbeat`` alone would do and answer, one node after the other. For
+    a process that speaks for many nodes (the Kubernetes backend's virtual agents, issue 14):
+    one read of the nodes, one of their active allocations, one statement locking every job
+    whose report changes (in id order, as ``lock_jobs`` does: batches running side by side
+    wait for each other instead of deadlocking) and one commit, instead of each per node."""
+    if len({hb.node for hb in hbs}) != len(hbs):
+        raise ValueError("a batch of heartbeats has one per node")
+    for hb in hbs:
+        check_version(hb.protocol_version)
+    if not hbs:
+        return []
+    now = utcnow()
+    names = [hb.node for hb in hbs]
+    rows = {
+        node.name: (node, bool(pending))
+        for node, pending in session.execute(
+            # the nodes' rows first, in name order, as a single heartbeat takes its node's (issue 13:
+            # a reaper holding one is waited for; batches side by side queue in the same order)
+            select(Node, node_health.has_pending_run()).where(Node.name.in_(sorted(names))).options(*_HEARTBEAT_NODE)
+            .order_by(Node.name).with_for_update(key_share=True, of=Node)
+        )
+    }
+    allocs = active_allocations_of(session, [n for n in names if n in rows])
+    # the jobs whose report changes, as apply_reports finds them, locked at once
+    changed = set()
+    for hb in hbs:
+        by_key = {(a.job_id, a.attempt): a for a in allocs.get(hb.node, ())}
+        for st in hb.attempts:
+            a = by_key.get((st.job_id, st.attempt))
+            if a is not None and a.status != st.model_dump(mode="json"):
+                changed.add(a.job_id)
+    if changed:
+        reports.lock_jobs(session, sorted(changed))
+    replies = []
+    for hb in hbs:
+        row = rows.get(hb.node)
+        if row is None or node_health.must_reregister(row[0]):  # issue 10, as in heartbeat
+            replies.append(ServerReply(node=hb.node, assignments_digest="", reregister=True))
+            continue
+        node, maybe_pending = row
+        metrics_store.record_heartbeat(session=session, node=node.name, gpus=hb.gpus, now=now, settings=settings)
+        replies.append(_heartbeat(session, hb, node, maybe_pending, allocs[node.name], settings=settings, now=now))
+    session.commit()
+    return replies
+
+
+def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool, allocs: list, *,
+               settings: Settings, now) -> ServerReply:  # noqa: ANN001
+    """One node's heartbeat after its row and its active allocations are read: the report
+    applied, the assignments checked and built, liveness. Flushes; the caller commits."""
     reported = reports.apply_reports(session, allocs, hb.attempts, now=now)
     held = assigned(allocs, settings)
     if hb.assignments_digest is not None and hb.assignments_digest == digest([a for _, a in held]):
@@ -109,17 +170,13 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
     pending: list = []
     if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending,
-                                 maybe_pending=bool(maybe_pending)):
+                                 maybe_pending=maybe_pending):
         held = assigned(allocs, settings)
     # liveness and the latest GPU figures last: one UPDATE of the node row with the quick-round count
     node.last_heartbeat_at = now
     if hb.gpus:
         metrics_store.set_latest_gpus(node, hb.gpus, settings)
-    reply = _reply(session, node, [a for _, a in held], settings, pending=pending)
-    if seen is not None:
-        seen["state"] = node.state
-    session.commit()
-    return reply
+    return _reply(session, node, [a for _, a in held], settings, pending=pending)
 
 
 def current_reply(*, session: Session, node_name: str, settings: Settings) -> ServerReply:

@@ -47,6 +47,9 @@ from hai.settings import KubernetesSettings
 
 log = logging.getLogger(__name__)
 
+# at most this many nodes' heartbeats in one transaction (a pass splits its nodes into one batch
+# per worker up to this size)
+HEARTBEAT_BATCH = 32
 READY_EXIT_WINDOW_S = 2.0  # as the agent: after suspend_ready(), ranks get this long to exit
 SIGKILL_EXIT = 137
 
@@ -234,7 +237,9 @@ class KubernetesBackend:
         self.gang_ok: set[tuple[int, int]] = set()
         self.gang_requeued: set[tuple[int, int]] = set()
         self.log_buf: list[LogLine] = []
+        self.log_drains: list[tuple[PodRuntime, str]] = []  # containers whose log ended, once shipped
         self.log_lock = threading.Lock()
+        self.log_wake = threading.Event()
         self.passes = 0
         self.heartbeats = 0
         self.pods_created = 0
@@ -265,6 +270,7 @@ class KubernetesBackend:
     def close(self) -> None:
         self.stop_event.set()
         self.wake.set()
+        self.log_wake.set()
         for inf in (self.nodes, self.pods, self.configmaps):
             inf.close()
         for t in self.threads:
@@ -478,8 +484,12 @@ class KubernetesBackend:
                 self.last_hb[name] = t
         self._timed("pass_prepare", t_pass)
         t_nodes = time.perf_counter()
-        futures = [self.pool.submit(self._node_pass, name, node, pods_by_node.get(name, []), fp)
-                   for name, node, fp in todo]
+        items = [(name, node, pods_by_node.get(name, [])) for name, node, _ in todo]
+        # the nodes' heartbeats in batches, one transaction each (issue 14: per node, the
+        # transaction's own statements and commit were most of a heartbeat's cost); as many
+        # batches as workers, so that the replies' API calls still run side by side
+        size = max(1, min(HEARTBEAT_BATCH, -(-len(items) // max(1, self.cfg.heartbeat_workers))))
+        futures = [self.pool.submit(self._nodes_pass, items[i:i + size]) for i in range(0, len(items), size)]
         for f in futures:
             try:
                 f.result()
@@ -508,8 +518,41 @@ class KubernetesBackend:
     def _timed(self, what: str, t0: float) -> None:
         self.timings[what] = self.timings.get(what, 0.0) + time.perf_counter() - t0
 
-    def _node_pass(self, name: str, node: dict, pods: list[dict], fingerprint: int | None = None) -> None:
-        hello = self._hello(node)
+    def _nodes_pass(self, items: list[tuple[str, dict, list[dict]]]) -> None:
+        """Register (a new or changed inventory) or heartbeat each of these nodes, the heartbeats
+        in one batch, then apply each node's reply."""
+        beats: list[tuple[str, dict, list[dict], AgentHello, Heartbeat]] = []
+        for name, node, pods in items:
+            try:
+                hello = self._hello(node)
+                reply = self._register_if_changed(name, node, pods, hello)
+                if reply is not None:
+                    self._after_reply(name, node, pods, hello, reply)
+                    continue
+                attempts = self.statuses(name, pods)
+                self.sent[name] = [st.model_dump(mode="json") for st in attempts]
+                beats.append((name, node, pods, hello,
+                              Heartbeat(node=name, attempts=attempts, assignments_digest=self.applied_digest.get(name))))
+            except Exception:
+                log.exception("kubernetes node pass of %s failed", name)
+        if not beats:
+            return
+        replies = self._heartbeats([b[4] for b in beats])
+        for (name, node, pods, hello, _), reply in zip(beats, replies):
+            if reply is None:
+                continue
+            try:
+                if reply.reregister:
+                    self.registered.pop(name, None)
+                    reply = plat.register(self.platform, hello.model_copy(update={"attempts": self.statuses(name, pods)}))
+                    self.registered[name] = hello
+                self._after_reply(name, node, pods, hello, reply)
+            except Exception:
+                log.exception("kubernetes node pass of %s failed", name)
+
+    def _register_if_changed(self, name: str, node: dict, pods: list[dict], hello: AgentHello) -> ServerReply | None:
+        """Register a node the server has not seen with this inventory (its reply: the
+        assignments), and mirror the Node's condition onto the platform node."""
         reply: ServerReply | None = None
         if self.registered.get(name) != hello:
             attempts = self.statuses(name, pods)
@@ -521,18 +564,30 @@ class KubernetesBackend:
         if self.node_state_seen.get(name) != state:
             plat.sync_node_state(self.platform, name, *state)
             self.node_state_seen[name] = state
-        if reply is None:
-            attempts = self.statuses(name, pods)
-            self.sent[name] = [st.model_dump(mode="json") for st in attempts]
-            hb = Heartbeat(node=name, attempts=attempts, assignments_digest=self.applied_digest.get(name))
-            t0 = time.perf_counter()
-            reply = plat.heartbeat(self.platform, hb)
-            self._timed("heartbeat", t0)
-            self.heartbeats += 1
-            if reply.reregister:
-                self.registered.pop(name, None)
-                reply = plat.register(self.platform, hello.model_copy(update={"attempts": self.statuses(name, pods)}))
-                self.registered[name] = hello
+        return reply
+
+    def _heartbeats(self, hbs: list[Heartbeat]) -> list[ServerReply | None]:
+        """One transaction for them all; if it fails (a deadlock the database broke, a node's
+        report that raises), each on its own, so one node cannot hold the others back. None:
+        that node's heartbeat failed (its next pass sends it again)."""
+        t0 = time.perf_counter()
+        try:
+            replies: list[ServerReply | None] = list(plat.heartbeats(self.platform, hbs))
+        except Exception:
+            if len(hbs) > 1:
+                log.warning("a batch of %d heartbeats failed; sending them one by one", len(hbs), exc_info=True)
+            replies = []
+            for hb in hbs:
+                try:
+                    replies.append(plat.heartbeat(self.platform, hb))
+                except Exception:
+                    log.exception("kubernetes heartbeat of %s failed", hb.node)
+                    replies.append(None)
+        self._timed("heartbeat", t0)
+        self.heartbeats += len(hbs)
+        return replies
+
+    def _after_reply(self, name: str, node: dict, pods: list[dict], hello: AgentHello, reply: ServerReply) -> None:
         self.last_hb[name] = self.clock()
         self.fingerprints[name] = plat.reply_fingerprint(reply)
         self.replies[name] = reply
@@ -809,16 +864,15 @@ class KubernetesBackend:
 
     def _follow_container(self, pod: str, container: str, rank: int, rt: PodRuntime) -> None:
         """Follow one container's log from its start (a re-sent line keeps its seq: stored once);
-        once it has ended, ship what was read and let the node report the rank as over."""
+        once it has ended, the log loop ships what was read and then lets the node report the
+        rank as over (issue 14: the containers that end together share one transaction, not one
+        each)."""
         try:
             self._read_container_log(pod, container, rank, rt)
         finally:
-            try:
-                self._flush_logs()
-            except Exception:
-                log.exception("shipping pod logs failed; the log loop retries")
-            rt.drained.add(container)
-            self._mark(rt.node)
+            with self.log_lock:
+                self.log_drains.append((rt, container))
+            self.log_wake.set()
 
     def _read_container_log(self, pod: str, container: str, rank: int, rt: PodRuntime) -> None:
         while not self.stop_event.is_set():
@@ -885,22 +939,36 @@ class KubernetesBackend:
         self._mark(rt.node)
 
     def _log_loop(self) -> None:
-        while not self.stop_event.wait(0.25):
+        """Ship the lines read every 0.25 s, and at once when a container's log has ended."""
+        while not self.stop_event.is_set():
+            self.log_wake.wait(0.25)
+            self.log_wake.clear()
+            if self.stop_event.is_set():
+                break
             try:
                 self._flush_logs()
             except Exception:
                 log.exception("shipping pod logs failed; retrying")
+                self.stop_event.wait(0.25)
 
     def _flush_logs(self) -> None:
+        """Ship the lines read so far; then the containers whose log had ended before are
+        drained (their ranks may be reported over)."""
         with self.log_lock:
             lines, self.log_buf = self.log_buf, []
+            drains, self.log_drains = self.log_drains, []
         for i in range(0, len(lines), 2000):
             try:
                 plat.append_logs(self.platform, LogBatch(node="kubernetes", lines=lines[i:i + 2000]))
             except Exception:
                 with self.log_lock:
                     self.log_buf[:0] = lines[i:]
+                    self.log_drains[:0] = drains
                 raise
+        for rt, container in drains:
+            rt.drained.add(container)
+        for node in {rt.node for rt, _ in drains}:
+            self._mark(node)
 
 
 _current: KubernetesBackend | None = None

@@ -34,6 +34,12 @@ def heartbeat(platform: Platform, hb: Heartbeat) -> ServerReply:
         return agent_service.heartbeat(session=session, hb=hb, settings=platform.settings)
 
 
+def heartbeats(platform: Platform, hbs: list[Heartbeat]) -> list[ServerReply]:
+    """Several nodes' heartbeats in one transaction (``services.agents.heartbeats``)."""
+    with platform.sessions() as session:
+        return agent_service.heartbeats(session=session, hbs=hbs, settings=platform.settings)
+
+
 def digest(reply: ServerReply) -> str:
     return agent_service.digest(reply.assignments)
 
