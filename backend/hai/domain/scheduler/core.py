@@ -539,7 +539,9 @@ class _Cycle:
 
     def _las_victims(self) -> dict[int, list[tuple]]:
         """Per node: one-node running jobs past their minimum runtime in a service class above
-        0, highest class first, then least GPU-time lost. Built once per cycle, when asked."""
+        0 (and, with ``service_checkpoint_slack_s``, at most that long after their last
+        checkpoint), highest class first, then least GPU-time lost. Built once per cycle, when
+        asked."""
         if self._las_nodes is None:
             nodes: dict[int, list[tuple]] = {}
             pol, now, th = self.policy, self.now, self.classes
@@ -547,6 +549,7 @@ class _Cycle:
             eff, susp = self.facts.eff_rank, self.facts.susp_mark
             by_name = self.index.by_name
             th0, min_rt = th[0], pol.min_runtime_s
+            slack = pol.service_checkpoint_slack_s
             for i, r in enumerate(self.snap.running):
                 allocs = r.allocations
                 if susp[i] or len(allocs) != 1:
@@ -565,8 +568,10 @@ class _Cycle:
                 slot = by_name.get(allocs[0].node)
                 if slot is None:
                     continue
-                c = bisect_right(th, attained)
                 since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
+                if slack and now - since > slack:
+                    continue  # too far from its last checkpoint: a victim again at its next one
+                c = bisect_right(th, attained)
                 nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
             for lst in nodes.values():
                 lst.sort()
