@@ -125,3 +125,14 @@ def test_the_slack_picks_the_node_whose_job_checkpointed_last():
     d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
     assert [s.job_id for s in d.suspends] == [c.id_of("near")]
     assert "about 0.04 GPU-hours since its last checkpoint are lost" in d.suspends[0].reason
+
+
+def test_every_waiting_job_of_a_class_gets_the_whole_sentence():
+    # three jobs of one shape and class wait on a node held within its minimum runtime: each
+    # reason names its class (the sentence is made once and shared, suffix included)
+    c = one_node().run(job("r").started(NOW - 60).user("bob"))
+    c.queue(*(job(f"q{i}").submitted(NOW - 100 + i).attained(5000) for i in range(3)))
+    d = schedule(c.snapshot(), LAS, NOW)
+    reasons = {d.pending_reasons[c.id_of(f"q{i}")] for i in range(3)}
+    assert len(reasons) == 1
+    assert reasons.pop().endswith("(service class 1: demoted after 0.3 GPU-hours of attained service)")
