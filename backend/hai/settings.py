@@ -48,6 +48,7 @@ class SchedulerSettings(BaseModel):
     service_classes_gpu_s: tuple[float, ...] = _POLICY.service_classes_gpu_s
     starvation_factor: float = Field(default=_POLICY.starvation_factor, ge=0)
     service_quantum_factor: float = Field(default=_POLICY.service_quantum_factor, ge=0)
+    service_checkpoint_slack_s: float = Field(default=_POLICY.service_checkpoint_slack_s, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
     coalesce_s: float = Field(
         default=0.2, ge=0,

@@ -6,7 +6,9 @@ between (a quota bucket filled by a start) is recomputed, not reused."""
 
 from __future__ import annotations
 
+import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,31 @@ def test_the_lane_groups_time_sharing_candidates_as_the_ladder_does(monkeypatch)
     d = schedule(snap, pol, NOW)
     assert d.suspends  # time-sharing found victims for some of them
     assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)
+
+
+def _with_attained_service(snap, seed):
+    """The case's queue with attained service from earlier attempts (60% none, the rest
+    log-uniform up to 10^7 GPU-seconds), so it spreads over the service classes."""
+    rng = random.Random(seed)
+    got = [0.0 if rng.random() < 0.6 else 10 ** rng.uniform(2, 7) for _ in snap.queued]
+    return replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, got)))
+
+
+CLASSES = (1000.0, 3250.0, 10_000.0, 32_500.0, 100_000.0, 325_000.0, 1_000_000.0, 3_250_000.0)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"service_checkpoint_slack_s": 30.0}, {"starvation_factor": 2.0}, {"service_quantum_factor": 1.0}],
+    ids=["slack", "starvation", "quantum"],
+)
+@pytest.mark.parametrize("case", list(decision_hash.cases())[::3], ids=lambda c: c[0])
+def test_the_lane_decides_as_the_full_ladder_does_with_service_classes(case, knobs, monkeypatch):
+    # with classes the lane key holds the job's class: the same decisions, in the same order
+    _name, snap, pol, now = case
+    snap = _with_attained_service(snap, 7)
+    pol = replace(pol, service_classes_gpu_s=CLASSES, **knobs)
+    with_lane = schedule(snap, pol, now)
+    without = _decide_without_lane(snap, pol, now, monkeypatch)
+    assert decision_hash.canonical(with_lane) == decision_hash.canonical(without)
+    assert list(with_lane.pending_reasons.items()) == list(without.pending_reasons.items())

@@ -1,11 +1,14 @@
 """Least attained service within a priority level (issue 16): service classes by attained
 GPU-time, FIFO within a class, suspension only of jobs in a higher class, a quantum that grows
-with attained service, promotion of starved jobs, and explanations in those terms."""
+with attained service, promotion of starved jobs, checkpoint-boundary preemption, and explanations
+in those terms."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hai.domain.scheduler import SuspendCode, schedule
@@ -91,3 +94,45 @@ def test_a_starved_job_is_promoted_to_class_zero():
         )
         d = schedule(c.snapshot(), pol, NOW)
         assert [s.job_id for s in d.starts] == [c.id_of(first)], waited
+
+
+@pytest.mark.parametrize(
+    "slack, checkpoint_ago, suspended",
+    [
+        (0, 200, True),  # off: a victim whenever it is past its minimum runtime
+        (60, 30, True),  # within the slack after its last checkpoint: loses at most 30 s of work
+        (60, 60, True),  # exactly at the edge
+        (60, 200, False),  # too far from its last checkpoint: a victim again at its next one
+        (60, None, False),  # no checkpoint yet: counted from its start, 2 h ago
+    ],
+)
+def test_checkpoint_boundary_preemption_under_least_attained_service(slack, checkpoint_ago, suspended):
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, service_checkpoint_slack_s=slack)
+    long = job("long").started(NOW - 7200).user("bob")
+    if checkpoint_ago is not None:
+        long = long.checkpoint(NOW - checkpoint_ago)
+    c = one_node().run(long)
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+    assert [s.job_id for s in d.suspends] == ([c.id_of("long")] if suspended else [])
+
+
+def test_the_slack_picks_the_node_whose_job_checkpointed_last():
+    # two nodes, each held by a job in class 2; only the one that checkpointed 20 s ago is a victim
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, service_checkpoint_slack_s=60)
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
+    c.run(job("far").started(NOW - 7200).checkpoint(NOW - 250).user("bob"))
+    c.run(job("near").started(NOW - 7200).checkpoint(NOW - 20).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+    assert [s.job_id for s in d.suspends] == [c.id_of("near")]
+    assert "about 0.04 GPU-hours since its last checkpoint are lost" in d.suspends[0].reason
+
+
+def test_every_waiting_job_of_a_class_gets_the_whole_sentence():
+    # three jobs of one shape and class wait on a node held within its minimum runtime: each
+    # reason names its class (the sentence is made once and shared, suffix included)
+    c = one_node().run(job("r").started(NOW - 60).user("bob"))
+    c.queue(*(job(f"q{i}").submitted(NOW - 100 + i).attained(5000) for i in range(3)))
+    d = schedule(c.snapshot(), LAS, NOW)
+    reasons = {d.pending_reasons[c.id_of(f"q{i}")] for i in range(3)}
+    assert len(reasons) == 1
+    assert reasons.pop().endswith("(service class 1: demoted after 0.3 GPU-hours of attained service)")

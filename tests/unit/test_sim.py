@@ -353,3 +353,27 @@ def test_the_fewest_leaves_check_reads_the_queue_in_the_policys_order(classes, e
     x.attained, x.queued_since, owner.queued_since = 2000.0, 0.0, 10.0
     allocs = (Allocation(n[0], tuple(range(8))), Allocation(n[2], tuple(range(8))))
     assert sim._min_leaves_ok(x, allocs, before={}, after={2: (n[1],)}, t=20.0) is expect_ok
+
+
+@pytest.mark.parametrize(
+    "arrive, suspended_at, lost",
+    [
+        (920.0, 920.0, 20 * 8),  # 20 s after job 1's checkpoint at 900 s: within the 60-s slack
+        (1000.0, None, 0),  # 100 s after it: job 1 is no victim; no later event, so job 2 waits for its end
+    ],
+)
+def test_service_classes_see_each_running_jobs_current_checkpoint(arrive, suspended_at, lost):
+    """With service classes the simulator keeps a running job's last checkpoint current in the
+    snapshot, as the live one is (checkpoints every 300 s here): the checkpoint-boundary rule and
+    the least-lost victim choice read it. (A stale view, its start, would make job 1 no victim at
+    920 s.)"""
+    pol = Policy(service_classes_gpu_s=(1000.0,), min_runtime_s=600, time_sharing=False, service_checkpoint_slack_s=60)
+    s = Simulation(one_node(), [tj(1, 0, 5000, user="a"), tj(2, arrive, 100, user="b")], policy=pol,
+                   config=SimConfig(checkpoint_interval_s=300, checkpoint_cost_s=10, restart_cost_s=30))  # fmt: skip
+    m = s.run().metrics
+    r = s.job_results()
+    assert m["lost_gpu_s"] == lost
+    if suspended_at is None:
+        assert r[1]["suspensions"] == 0 and r[2]["first_start_s"] == 5000
+    else:
+        assert r[1]["suspensions"] == 1 and r[2]["first_start_s"] == suspended_at + 10

@@ -419,7 +419,10 @@ class Simulation:
             _at, jid, attempt = heapq.heappop(ch)
             j = self.jobs[jid]
             if j.attempt == attempt and j.state == _RUNNING:
-                if multi_prio or j.expired_rank is not None:
+                if multi_prio or j.expired_rank is not None or self.las:
+                    # (least attained service: any running job past its minimum runtime may be
+                    # a victim, chosen by the GPU-time since its last checkpoint, so that must
+                    # be current, as the live snapshot's is)
                     self._rview(j, t)
                 else:
                     # cannot be a victim now (a single priority, not past its quantum): its last

@@ -36,6 +36,7 @@ import heapq
 from bisect import bisect_right
 from itertools import chain, repeat
 from operator import attrgetter, le
+from typing import Iterable
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.explain import (
@@ -68,6 +69,7 @@ _BY_ID = attrgetter("id")
 _BY_SUBMIT = attrgetter("first_submitted_at")
 _BY_PRIORITY = attrgetter("priority")
 _QUEUED_AT = attrgetter("queued_at")
+_ATTAINED = attrgetter("attained_gpu_s")
 _RESERVED = attrgetter("reserved_nodes")
 # what a plain job's outcome reads of the job itself when every rung is answered from the memos
 # (its level fixes its priority): the key of the level's fast lane
@@ -223,12 +225,18 @@ class _Cycle:
         # its lane key; the next plain job of that key gets the same outcome in O(1), as long as
         # nothing its rungs read has changed since (``_lane_state``: starts, quota charges,
         # plans, reservations, capacity given back, new memo entries; any change empties the
-        # lane). Off with service classes (a job's rungs read its class).
+        # lane). With service classes the key holds the job's class too: the rungs read it (the
+        # least-attained-service suspension, whose failures are memoised per class and GPU
+        # count, and the "waits behind" sentence) and nothing else of it.
         lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
         lane_get = lane.get
-        lane_on = self.fast_lane and not self.classes and len(jobs) >= self.fast_lane_min_jobs
+        lane_on = self.fast_lane and len(jobs) >= self.fast_lane_min_jobs
         lane_state = self._lane_state()
-        keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since))) if lane_on else repeat(None)
+        keys: Iterable = repeat(None)
+        if lane_on:
+            keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
+            if self.classes:
+                keys = zip(keys, map(self._cls.__getitem__, map(_BY_ID, jobs)))
         for job, key in zip(jobs, keys):
             jid = job.id
             hit = lane_get(key)
@@ -301,11 +309,12 @@ class _Cycle:
                 fkey = (reason, deferred, behind, self._cls.get(jid, 0))
                 got = final.get(fkey)
                 if got is None:
-                    got = final[fkey] = reason + self._note(job, False, deferred)
+                    got = reason + self._note(job, False, deferred)
                     if behind:
                         got += f"; waits behind {behind} job(s) with less attained service"
                     if self.classes:
                         got += self._class_note(self._cls[jid])
+                    final[fkey] = got  # the whole sentence: every job of this key reads the same
                 pend[jid] = got
                 if not plain:
                     self.res.drop(jid)
@@ -508,21 +517,30 @@ class _Cycle:
         d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
 
     # -- least attained service within a level ----------------------------------------------------
-    def _service_class(self, job: QueuedJob) -> int:
-        return service_class(self.policy, job.attained_gpu_s, job.gpu_count, self.now - job.queued_at)
-
     def _order_by_service(self) -> None:
-        """Each level by service class (least attained service first), FIFO within a class."""
+        """Each level by service class (least attained service first), FIFO within a class
+        (one bucket per class, filled in the level's FIFO order)."""
         cls = self._cls
-        for _rank_, jobs in self.levels:
-            for j in jobs:
-                cls[j.id] = self._service_class(j)
-            jobs.sort(key=lambda j: cls[j.id])  # stable: FIFO inside a class
+        th, now, pol = self.classes, self.now, self.policy
+        starving = pol.starvation_factor > 0
         self._ahead: dict[int, dict[int, int]] = {}
         for rank_, jobs in self.levels:
+            ids = list(map(_BY_ID, jobs))
+            if starving:
+                cs = [service_class(pol, j.attained_gpu_s, j.gpu_count, now - j.queued_at) for j in jobs]
+            else:
+                cs = [bisect_right(th, a) for a in map(_ATTAINED, jobs)]
+            cls.update(zip(ids, cs))
+            buckets: list[list[QueuedJob]] = [[] for _ in range(len(th) + 1)]
+            for j, c in zip(jobs, cs):
+                buckets[c].append(j)
             ahead: dict[int, int] = {}
-            for pos, j in enumerate(jobs):
-                ahead.setdefault(cls[j.id], pos)
+            pos = 0
+            for c, b in enumerate(buckets):
+                if b:
+                    ahead[c] = pos
+                    pos += len(b)
+            jobs[:] = chain.from_iterable(buckets)
             self._ahead[rank_] = ahead
         self.queue = [j for _, js in self.levels for j in js]
 
@@ -539,7 +557,9 @@ class _Cycle:
 
     def _las_victims(self) -> dict[int, list[tuple]]:
         """Per node: one-node running jobs past their minimum runtime in a service class above
-        0, highest class first, then least GPU-time lost. Built once per cycle, when asked."""
+        0 (and, with ``service_checkpoint_slack_s``, at most that long after their last
+        checkpoint), highest class first, then least GPU-time lost. Built once per cycle, when
+        asked."""
         if self._las_nodes is None:
             nodes: dict[int, list[tuple]] = {}
             pol, now, th = self.policy, self.now, self.classes
@@ -547,6 +567,7 @@ class _Cycle:
             eff, susp = self.facts.eff_rank, self.facts.susp_mark
             by_name = self.index.by_name
             th0, min_rt = th[0], pol.min_runtime_s
+            slack = pol.service_checkpoint_slack_s
             for i, r in enumerate(self.snap.running):
                 allocs = r.allocations
                 if susp[i] or len(allocs) != 1:
@@ -565,8 +586,10 @@ class _Cycle:
                 slot = by_name.get(allocs[0].node)
                 if slot is None:
                     continue
-                c = bisect_right(th, attained)
                 since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
+                if slack and now - since > slack:
+                    continue  # too far from its last checkpoint: a victim again at its next one
+                c = bisect_right(th, attained)
                 nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
             for lst in nodes.values():
                 lst.sort()

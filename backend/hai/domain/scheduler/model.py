@@ -122,6 +122,10 @@ class Policy:
     # over g GPUs is not suspended for a job with less attained service before it ran
     # max(min_runtime_s, service_quantum_factor * A / g) in this attempt (0: the minimum runtime)
     service_quantum_factor: float = 0.0
+    # checkpoint-boundary preemption under least attained service: a running job is suspended
+    # for a job with less attained service only within this many seconds after a checkpoint
+    # (its last checkpoint, or its start), so it loses at most that much work; 0: any time
+    service_checkpoint_slack_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
