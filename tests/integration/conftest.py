@@ -39,3 +39,26 @@ def pg_url(server_db_url: str):
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def replicas(pg_url: str, redis_url: str, tmp_path):  # noqa: ANN001, ANN201
+    """``replicas(n, **settings)``: n platforms on one migrated PostgreSQL database and one Redis,
+    standing for n processes (API replicas, the scheduler); closed after the test."""
+    from hai.db.migrate import upgrade
+    from hai.services.context import Platform
+    from hai.settings import Settings
+
+    made = []
+
+    def make(n: int, **settings):  # noqa: ANN003, ANN202
+        upgrade(pg_url)
+        for i in range(n):
+            s = Settings(data_dir=tmp_path / f"replica{len(made)}", frontend_dist=tmp_path / "none",
+                         db={"url": pg_url}, redis={"url": redis_url}, **settings)
+            made.append(Platform.from_settings(s))
+        return made[-n:]
+
+    yield make
+    for p in made:
+        p.close()

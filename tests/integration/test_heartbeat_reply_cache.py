@@ -5,38 +5,26 @@ at once: PostgreSQL + Redis, two platforms standing for two processes."""
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from hai.db.migrate import upgrade
 from hai.db.models import Node
 from hai.main import create_app
 from hai.protocol import AgentHello, AttemptStatus, GpuInfo, GpuMetrics, Heartbeat, RankStatus
 from hai.schemas.jobs import JobCreate
 from hai.services import auth, notify
 from hai.services import jobs as job_service
-from hai.services.context import Platform
 from hai.services.scheduling import run_cycle
-from hai.settings import Settings
-from tests.integration.conftest import pg_url, redis_url, server_db_url  # noqa: F401  (fixtures)
+from tests.integration.conftest import pg_url, redis_url, replicas, server_db_url  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def two(pg_url: str, redis_url: str, tmp_path: Path):  # noqa: F811
-    upgrade(pg_url)
-    made = []
-    for name in ("api", "other"):
-        s = Settings(data_dir=tmp_path / name, frontend_dist=tmp_path / "none", db={"url": pg_url},
-                     redis={"url": redis_url}, validation={"quick_every_heartbeats": 0})
-        made.append(Platform.from_settings(s))
-    yield made
-    for p in made:
-        p.close()
+def two(replicas):  # noqa: ANN001, ANN201
+    return replicas(2, validation={"quick_every_heartbeats": 0})
 
 
 def test_steady_heartbeats_hit_the_cache_and_a_change_elsewhere_invalidates_it(two):

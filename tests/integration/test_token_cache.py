@@ -5,32 +5,20 @@ platforms standing for two API replicas."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from hai.db.migrate import upgrade
 from hai.main import create_app
 from hai.services import auth, notify
-from hai.services.context import Platform
-from hai.settings import Settings
-from tests.integration.conftest import pg_url, redis_url, server_db_url  # noqa: F401  (fixtures)
+from tests.integration.conftest import pg_url, redis_url, replicas, server_db_url  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def two(pg_url: str, redis_url: str, tmp_path: Path):  # noqa: F811
-    upgrade(pg_url)
-    made = []
-    for name in ("replica1", "replica2"):
-        s = Settings(data_dir=tmp_path / name, frontend_dist=tmp_path / "none", db={"url": pg_url},
-                     redis={"url": redis_url}, auth={"token_cache_s": 3600})  # only a revocation ends an entry
-        made.append(Platform.from_settings(s))
-    yield made
-    for p in made:
-        p.close()
+def two(replicas):  # noqa: ANN001, ANN201
+    return replicas(2, auth={"token_cache_s": 3600})  # only a revocation ends an entry
 
 
 def test_a_token_revoked_on_one_replica_is_refused_by_the_other_at_once(two) -> None:
