@@ -88,5 +88,8 @@ def two_rank_job_succeeds(c, name: str) -> None:  # noqa: ANN001  (an httpx.Clie
     job = wait_for(lambda: (j := c.get(f"/api/v1/jobs/{job_id}").json())["state"] in {"succeeded", "failed", "cancelled"} and j,
                    timeout=120, what="the job to end")
     assert job["state"] == "succeeded", job
-    logs = c.get(f"/api/v1/jobs/{job_id}/logs").text
-    assert "rank 0 of 2" in logs and "rank 1 of 2" in logs, logs
+    # an agent ships a rank's lines beside its exit report, not before it: they may land just after
+    # the job ends (as the e2e tests wait for them too)
+    logs = wait_for(lambda: (t := c.get(f"/api/v1/jobs/{job_id}/logs").text).count(" of 2") == 2 and t,
+                    timeout=30, what="both ranks' lines")
+    assert "[rank 0] rank 0 of 2" in logs.splitlines() and "[rank 1] rank 1 of 2" in logs.splitlines(), logs
