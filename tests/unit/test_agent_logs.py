@@ -99,7 +99,8 @@ def test_a_log_flood_never_blocks_the_job_and_losses_are_visible(tmp_path):
     speed; once the server is back, the lines that fitted arrive in order, the rest is counted."""
     n_lines = 200_000
     buf = LogBuffer(max_lines=1000)
-    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_buffer=buf)
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_buffer=buf,
+                     log_drain_s=0.5)  # the finish waits for the stuck shipper only briefly
     received: list[LogLine] = []
     gate = threading.Event()
 
@@ -184,3 +185,78 @@ def test_batches_fit_the_servers_body_limit_and_a_refused_batch_is_split_not_ret
     assert got == list(range(len(plain) + len(escaped)))  # all of them, in order, once each
     assert all(len(LogBatch(node="n1", lines=b).model_dump_json()) <= limit for b in sent)
     assert refused and shipper.refused == 0  # the escaped lines needed a split; no line was lost
+
+
+def _status(node, key=(1, 0)):
+    return next(st for st in node.statuses() if (st.job_id, st.attempt) == key)
+
+
+def test_an_attempt_is_reported_finished_only_after_its_last_lines_left_the_agent(tmp_path):
+    """Logs and statuses travel separately; the server ends a job (and a log follower stops)
+    on the finished status, so the status waits until the shipper delivered the last line."""
+    buf = LogBuffer()
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_buffer=buf,
+                     log_drain_s=300)
+    received: list[str] = []
+    finished_when_sent: list[bool] = []
+    gate = threading.Event()
+
+    def send(lines):
+        gate.wait()
+        finished_when_sent.append(_status(node).finished)
+        received.extend(ln.line for ln in lines)
+
+    stop = threading.Event()
+    shipper = LogShipper(buf, send, stop=stop)
+    shipper.start()
+    try:
+        node.apply([assignment(1, [PY, "-c", "print('first'); print('last words', end='')"])])
+        att = node.attempts[(1, 0)]
+        wait_for(lambda: att.ended_at is not None, timeout=30, step=node.tick, what="the rank to end")
+        node.tick()
+        st = _status(node)
+        assert [r.exit_code for r in st.ranks] == [0] and not st.finished  # its lines are still here
+        gate.set()
+        wait_for(lambda: _status(node).finished, timeout=30, step=node.tick, what="the finished status")
+        assert received == ["first", "last words"]  # the unterminated last line too
+        assert finished_when_sent == [False]
+        assert _status(node).finished_at == att.ended_at  # when the ranks ended, not when the logs left
+    finally:
+        gate.set()
+        stop.set()
+        shipper.join(5)
+
+
+def test_a_server_that_takes_no_logs_delays_the_finish_by_at_most_log_drain_s(tmp_path):
+    now = [1_000_000.0]
+    buf = LogBuffer()
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_buffer=buf,
+                     log_drain_s=30, clock=lambda: now[0])
+
+    def send(lines):
+        raise ConnectionError("server unreachable")
+
+    stop = threading.Event()
+    shipper = LogShipper(buf, send, stop=stop, backoff_max_s=0.2)
+    shipper.start()
+    try:
+        node.apply([assignment(1, [PY, "-c", "print('unheard')"])])
+        att = node.attempts[(1, 0)]
+        wait_for(lambda: att.ended_at is not None, timeout=30, step=node.tick, what="the rank to end")
+        now[0] += 29
+        node.tick()
+        assert not _status(node).finished
+        now[0] += 1
+        node.tick()
+        assert _status(node).finished and shipper.shipped == 0
+    finally:
+        stop.set()
+        shipper.join(5)
+
+
+def test_without_a_shipper_an_ended_attempt_finishes_at_once(tmp_path):
+    node = NodeAgent(node="n1", state_dir=tmp_path / "state", gpus=FakeGpus(1, node="n1"), log_drain_s=300)
+    node.apply([assignment(1, [PY, "-c", "print('x')"])])
+    att = node.attempts[(1, 0)]
+    wait_for(lambda: att.ended_at is not None, timeout=30, step=node.tick, what="the rank to end")
+    assert att.finished  # the same tick: nothing to wait for

@@ -125,6 +125,8 @@ class Attempt:
     assigned: DesiredAction | str | None = "unknown"  # the action of the last applied reply; None: not assigned
     final_reported: bool = False
     drained: bool = False
+    ended_at: float | None = None  # every rank had ended (finished waits for their last log lines)
+    log_mark: int | None = None  # the log buffer's position after the last line of the attempt
     attached_at: float = 0.0  # when this agent process took charge (launch or reattach)
     blind_at: float | None = None  # issue 13: last seen with the log folder full (output unseeable)
     tail: AttemptTail | None = field(default=None, repr=False)

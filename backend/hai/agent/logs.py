@@ -40,6 +40,11 @@ class LogBuffer:
         self._q: deque[LogLine] = deque()
         self._bytes = 0
         self._cond = threading.Condition()
+        # lines accepted so far, and how many of them (from the front) the shipper has delivered
+        # (or given up on); ``consumers``: shippers running (none: nobody waits for delivery)
+        self.offered = 0
+        self.delivered = 0
+        self.consumers = 0
 
     def __len__(self) -> int:
         with self._cond:
@@ -57,6 +62,7 @@ class LogBuffer:
                 return False
             self._q.append(line)
             self._bytes += size
+            self.offered += 1
             self._cond.notify()
             return True
 
@@ -90,6 +96,21 @@ class LogBuffer:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+    def ack(self, n: int) -> None:
+        """The consumer delivered (or dropped for good) the next ``n`` lines it took."""
+        with self._cond:
+            self.delivered += n
+
+    def mark(self) -> int:
+        """A position: every line offered so far is before it."""
+        with self._cond:
+            return self.offered
+
+    def delivered_to(self, mark: int) -> bool:
+        """Whether every line before ``mark`` has left the agent (true when no shipper runs)."""
+        with self._cond:
+            return self.consumers == 0 or self.delivered >= mark
 
 
 @dataclass
@@ -306,6 +327,15 @@ class LogShipper(threading.Thread):
         self.idle = threading.Event()
 
     def run(self) -> None:
+        with self.buf._cond:
+            self.buf.consumers += 1
+        try:
+            self._run()
+        finally:
+            with self.buf._cond:
+                self.buf.consumers -= 1
+
+    def _run(self) -> None:
         pending: list[LogLine] = []
         n = 0  # how many of ``pending`` the next send carries
         backoff = 0.2
@@ -328,6 +358,7 @@ class LogShipper(threading.Thread):
                         continue
                     log.warning("the server refused a log line of job %s as too large; dropped", pending[0].job_id)
                     self.refused += 1
+                    self.buf.ack(1)
                     pending = pending[1:]
                     n = len(pending)
                     continue
@@ -337,6 +368,7 @@ class LogShipper(threading.Thread):
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
             self.shipped += n
+            self.buf.ack(n)
             pending = pending[n:]
             n = min(len(pending), max(n, 1))
             backoff = 0.2

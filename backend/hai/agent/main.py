@@ -107,6 +107,8 @@ class AgentOptions:
     <state_dir>/jobs); set it to a shared filesystem so a job can resume on another node.
     ``heartbeat_wait_s``: long-poll time; rank exits, suspend_ready and checkpoints are reported
     at once regardless, progress within ``status_refresh_s``.
+    ``log_drain_s``: an attempt whose ranks ended is reported finished once its last log lines
+    have been delivered, or after this long (a server that takes no logs).
     ``stop_jobs_on_exit``: stop the ranks when the agent exits (dev mode); by default they keep
     running and a restarted agent reattaches to them.
     """
@@ -123,6 +125,7 @@ class AgentOptions:
     heartbeat_wait_s: float = 10.0
     checkpoint_root: str | None = None
     kill_grace_s: float = 10.0
+    log_drain_s: float = 10.0
     stop_jobs_on_exit: bool = False
     backoff_max_s: float = 10.0
     log_buffer_lines: int = 10000
@@ -177,6 +180,7 @@ class Agent:
         self._wake = threading.Event()
         self.node = NodeAgent(node=o.node, state_dir=o.state_dir, gpus=self.gpus, nics=self.nics, log_buffer=self.buf,
                               checkpoint_root=o.checkpoint_root, kill_grace_s=o.kill_grace_s, sysfs=o.sysfs,
+                              log_drain_s=o.log_drain_s,
                               on_change=self._changed, on_progress=self._soft.set,
                               user_map=UserMap(o.user_map) if o.user_map else None)
         self.periodic: list[Periodic] = [
@@ -353,7 +357,7 @@ class Agent:
     def _stop_jobs(self, client: AgentClient) -> None:
         self.node.stop_all()
         deadline = time.monotonic() + self.node.kill_grace_s + 10
-        while self.node.running() and time.monotonic() < deadline:
+        while (self.node.running() or self.node.settling()) and time.monotonic() < deadline:
             self.node.tick()
             self._threads_stop.wait(0.05)
         self.node.tick()

@@ -46,6 +46,7 @@ class NodeAgent:
         log_buffer: LogBuffer | None = None,
         checkpoint_root: str | os.PathLike | None = None,
         kill_grace_s: float = 10.0,
+        log_drain_s: float = 10.0,
         sysfs: str = "/sys",
         on_change: Callable[[], None] | None = None,
         on_progress: Callable[[], None] | None = None,
@@ -62,6 +63,7 @@ class NodeAgent:
         root = checkpoint_root or os.environ.get("HAI_CHECKPOINT_ROOT") or (self.state_dir / "jobs")
         self.checkpoint_root = Path(root).resolve()
         self.kill_grace_s = kill_grace_s
+        self.log_drain_s = log_drain_s
         self.sysfs = sysfs
         self.on_change = on_change or (lambda: None)  # worth reporting at once
         self.on_progress = on_progress or (lambda: None)  # worth reporting soon (progress)
@@ -451,16 +453,43 @@ class NodeAgent:
             self._kill(att)
             changed = True
         if att.ranks and all(r.ended for r in att.ranks):
-            att.finished = True
-            att.finished_at = now
-            changed = notify = True
-            log.info("job %s attempt %s finished on this node", att.job_id, att.attempt)
+            if att.ended_at is None:
+                att.ended_at = now
+            if self._logs_delivered(att, now):
+                att.finished = True
+                att.finished_at = att.ended_at
+                changed = notify = True
+                log.info("job %s attempt %s finished on this node", att.job_id, att.attempt)
         if changed:
             self.store.save(att)
         if notify:
             self.on_change()
 
     # ------------------------------------------------------------------ logs
+
+    def _logs_delivered(self, att: Attempt, now: float) -> bool:
+        """Whether the ended attempt's output has left the agent, so that it may be reported
+        finished: its files are read to the end into the buffer and the shipper has delivered
+        every line up to there. Without it the server could end the job (and a follower of its
+        log stop) before its last lines arrived, since logs and statuses travel separately. Waits
+        at most ``log_drain_s`` after the ranks ended (an unreachable server, a flood); with no
+        shipper running (a bare NodeAgent) there is nothing to wait for."""
+        if att.tail is None:
+            return True
+        if not att.drained:
+            with self._tail_lock:
+                try:
+                    _, drained = tail_attempt(att.tail, self.buf, final=True, now=self.clock)
+                except OSError as e:
+                    log.debug("tailing job %s attempt %s: %s", att.job_id, att.attempt, e)
+                    drained = False
+            if drained:
+                att.drained = True
+        if att.drained and att.log_mark is None:
+            att.log_mark = self.buf.mark()
+        if att.log_mark is not None and self.buf.delivered_to(att.log_mark):
+            return True
+        return now - (att.ended_at or now) >= self.log_drain_s
 
     def tail_logs(self) -> int:
         """One tail round over every attempt's rank files; returns the number of lines read."""
@@ -536,3 +565,8 @@ class NodeAgent:
     def running(self) -> bool:
         with self.lock:
             return any(not r.ended for a in self.attempts.values() for r in a.ranks)
+
+    def settling(self) -> bool:
+        """An attempt whose ranks have ended waits for its last log lines to leave."""
+        with self.lock:
+            return any(not a.finished and a.ended_at is not None for a in self.attempts.values())
