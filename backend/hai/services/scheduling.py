@@ -121,13 +121,15 @@ class QueueCache:
 
     def __init__(self) -> None:
         self.mark: int | None = None  # None: the next read is a full one
-        self.jobs: dict[int, tuple[sched.QueuedJob, QueuedNow]] = {}
+        self.jobs: dict[int, sched.QueuedJob] = {}
+        self.shows: dict[int, QueuedNow] = {}  # (handed to apply_decisions as ``current``: read only)
         self.full_reads = 0
         self.rows_read = 0  # rows of queued (or formerly queued) jobs read by the last cycle
 
     def reset(self) -> None:
         self.mark = None
         self.jobs = {}
+        self.shows = {}
 
 
 # the columns of a node the snapshot needs: not its GPU inventory and metrics, NICs and labels
@@ -271,13 +273,14 @@ def _refresh(
         else:
             rows = session.execute(select(*_JOB_COLUMNS).where(Job.change_seq > queue.mark))
         n = 0
-        jobs = queue.jobs
+        jobs, shows = queue.jobs, queue.shows
         for j in rows:
             n += 1
             if j.state == JobState.QUEUED.value and not j.user_suspended:
-                jobs[j.id] = _queued(j)
+                jobs[j.id], shows[j.id] = _queued(j)
             else:
                 jobs.pop(j.id, None)
+                shows.pop(j.id, None)
         queue.rows_read = n
         queue.mark = mark
         if queued_count is None or len(jobs) == queued_count:
@@ -285,8 +288,7 @@ def _refresh(
         log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
                     len(jobs), queued_count)
         queue.reset()
-    values = queue.jobs.values()
-    return [q for q, _ in values], {q.id: c for q, c in values}
+    return list(queue.jobs.values()), queue.shows
 
 
 def _update_usage(
