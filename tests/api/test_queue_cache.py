@@ -145,7 +145,6 @@ def test_a_cycle_with_the_cache_decides_as_a_cycle_without_it(api):
     earlier cycle, so this one reads only what changed since."""
     import sqlite3
 
-    from hai.db.models import Base  # noqa: F401 - the schema is the fixture's
     for n in ("n0", "n1", "n2"):
         api.register_node(n)
     for i, (g, p) in enumerate([(8, "NORMAL"), (8, "HIGH"), (4, "LOW"), (8, "NORMAL"), (8, "NORMAL"), (4, "HIGH"),
