@@ -12,6 +12,11 @@ unix socket in a temporary directory; jobs are submitted held (``--hold``) throu
 submitter) and through slurmrestd with 1 and 8 in flight. Only the processes this script started
 are stopped, by their process ids.
 
+Before the first case of a layout the run waits until a cycle has considered a probe job (the
+scheduler past its first cycles over the seeded queue: ``settled_s``); after each case it reports
+how long after the last submission a cycle considered it (``last_considered_after_s``: does the
+scheduler keep up, issue 12's "within 1 s").
+
 Reads (``--reads``): 100,000 jobs in the table and 1,250 nodes on PostgreSQL (VACUUM ANALYZE after the
 bulk insert, as autovacuum leaves a settled table), ``hai server --workers <cores>`` alone; GET /api/v1/jobs (no filter, by state, by user, both; 50 a page, first page and a
 deep page by offset and by keyset; the exact count asked for) and GET /api/v1/nodes (and with every
@@ -293,6 +298,13 @@ def stop_profiles(spies: list[subprocess.Popen]) -> None:
         p.wait(timeout=60)
 
 
+def is_agent(pid: int) -> bool:
+    try:
+        return b"agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def children(pid: int) -> list[int]:
     try:
         return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -343,6 +355,19 @@ def nodes_ready(base: str, token: str, n: int) -> bool:
     return r.status_code == 200 and sum(1 for x in r.json() if x["state"] == "ready") >= n
 
 
+def considered_after(client: httpx.Client, job_id: int, timeout: float = 300) -> float:
+    """Seconds from now until a scheduling cycle has considered the job (it started, or its
+    pending reason is no longer the submission's)."""
+    t0 = time.perf_counter()
+
+    def seen() -> bool:
+        j = client.get(f"/api/v1/jobs/{job_id}").json()
+        return j["state"] != "queued" or j["pending_reason"] != "waiting for the scheduler"
+
+    wait_for(seen, timeout, f"a cycle to consider job {job_id}", interval=0.02)
+    return round(time.perf_counter() - t0, 2)
+
+
 def hai_case(kind: str, queued: int, n: int, profile: Path | None) -> dict:
     procs = Procs()
     out: dict = {"layout": kind, "queued_before": queued}
@@ -358,15 +383,28 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None) -> dict:
                     return httpx.Client(base_url=base, headers=headers, timeout=120)
 
                 post_load(client, "/api/v1/jobs", BODY, 20, 1)  # warm-up: imports, caches, connections
+                with client() as c:  # the scheduler past its first cycles over the seeded queue
+                    out["settled_s"] = considered_after(c, c.post("/api/v1/jobs", json=BODY).json()["id"])
                 for in_flight in (1, 8):
                     spies = []
                     if profile is not None:  # the server's workers (children of uvicorn's supervisor) too
                         targets = pids["server"] + [c for p in pids["server"] for c in children(p)] + pids["scheduler"]
                         spies = profile_pids(targets, profile, procs, f"{kind}-q{queued}-c{in_flight}")
+                    # the platform's CPU per submission (user + system, from /proc): less noisy than
+                    # jobs/s on a shared VM; on SQLite the scheduler is a thread of the server process
+                    serving = pids["server"] + [c for p in pids["server"] for c in children(p) if not is_agent(c)]
+                    c0, s0 = cpu_s(serving), cpu_s(pids["scheduler"])
                     out[f"in_flight_{in_flight}"] = r = post_load(client, "/api/v1/jobs", BODY, n, in_flight)
+                    r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / n, 2)
+                    r["scheduler_cpu_ms_per_job"] = round((cpu_s(pids["scheduler"]) - s0) * 1000 / n, 2)
                     stop_profiles(spies)
+                    with client() as c:  # does the scheduler keep up: its last job considered how late
+                        last = c.get("/api/v1/jobs", params={"limit": 1, "user": "bench"}).json()["items"][0]["id"]
+                        r["last_considered_after_s"] = considered_after(c, last)
                     print(f"  {kind:10s} queued={queued:<6d} in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s "
                           f"p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  failed {r['failed']}"
+                          f"  last job considered +{r['last_considered_after_s']:.2f} s"
+                          f"  CPU/job: server {r['server_cpu_ms_per_job']} ms, scheduler {r['scheduler_cpu_ms_per_job']} ms"
                           f"{' (' + r['first_error'][:120] + ')' if r['failed'] else ''}  load {r['load']}", flush=True)
         finally:
             procs.stop()

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version",
           "node_events", "validation_runs", "validation_checks",
           "gpu_samples", "metric_rollups", "gpu_status", "idempotency_keys",
-          "gpu_holds", "scheduler_leases"}
+          "gpu_holds", "scheduler_leases", "job_change_counter"}
 
 
 def _diff(url: str) -> list:
@@ -107,3 +107,56 @@ def test_node_gpu_indices_are_filled_from_the_inventory(any_url):
     rows = {k: (json.loads(v) if isinstance(v, str) else v) for k, v in rows.items()}
     assert rows == {"upper": [4, 5, 6, 7], "plain": None, "none": None}
     downgrade(any_url, "0012")
+
+
+def test_sqlite_job_rows_get_a_rising_change_marker_whoever_writes_them(tmp_path):
+    """0015 (issue 12): on SQLite the database marks every insert and update of a job row with
+    the next value of job_change_counter, raw SQL included; markers rise in commit order, and a
+    rolled-back write hands out none. The scheduler's queue cache relies on exactly this."""
+    from sqlalchemy import text
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    upgrade(url)
+    engine = create_engine(url)
+
+    def insert(c, name):  # noqa: ANN001, ANN202
+        c.execute(text("INSERT INTO users (name, \"group\", is_admin, created_at) VALUES (:n, 'g', 0, CURRENT_TIMESTAMP)"
+                       " ON CONFLICT DO NOTHING"), {"n": "u"})
+        return c.execute(text(
+            "INSERT INTO jobs (name, user_id, user_name, \"group\", command, env, tags, job_type, nodes, gpus_per_node,"
+            " priority, submitted_priority, allow_cross_zone, suspend_grace_s, state, created_at, queued_at, attempt,"
+            " suspensions, restarts, reserved_nodes, desired_action, user_suspended, lost_gpu_s, run_s)"
+            " VALUES (:n, 1, 'u', 'g', '[]', '{}', '[]', 'command', 1, 1, 'NORMAL', 'NORMAL', 0, 60, 'queued',"
+            " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 0, 0, 0, '[]', 'run', 0, 0, 0) RETURNING id"), {"n": name}).scalar()
+
+    def marks(c):  # noqa: ANN001, ANN202
+        return dict(c.execute(text("SELECT name, change_seq FROM jobs")).all())
+
+    with engine.begin() as c:
+        a, b = insert(c, "a"), insert(c, "b")
+    with engine.connect() as c:
+        assert marks(c) == {"a": 1, "b": 2}
+    with engine.begin() as c:
+        c.execute(text("UPDATE jobs SET pending_reason = 'x' WHERE id = :i"), {"i": a})
+    with engine.begin() as c:
+        c.execute(text("UPDATE jobs SET priority = 'HIGH'"))  # both rows, one statement
+    with engine.connect() as c:
+        m = marks(c)
+        assert m["a"] > 3 and m["b"] > 3 and m["a"] != m["b"] and max(m.values()) == 5
+    with engine.connect() as c:
+        tx = c.begin()
+        c.execute(text("UPDATE jobs SET state = 'cancelled' WHERE id = :i"), {"i": b})
+        tx.rollback()
+    with engine.begin() as c:
+        c.execute(text("UPDATE jobs SET state = 'cancelled' WHERE id = :i"), {"i": b})
+        assert c.execute(text("SELECT seq FROM job_change_counter")).scalar() == 6
+    with engine.connect() as c:
+        assert marks(c)["b"] == 6
+    engine.dispose()
+    downgrade(url, "0014")
+    upgrade(url)
+    engine = create_engine(url)
+    with engine.connect() as c:
+        triggers = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))}
+    engine.dispose()
+    assert triggers == {"jobs_change_seq_insert", "jobs_change_seq_update"}

@@ -16,7 +16,7 @@ import time
 from hai.services import notify, reaper
 from hai.services.context import Platform
 from hai.services.leader import Fenced, Lease, NotLeader, leadership
-from hai.services.scheduling import CycleResult, run_cycle
+from hai.services.scheduling import CycleResult, QueueCache, run_cycle
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class SchedulerLoop:
         # notified after every cycle (tests and benchmarks wait on it instead of sleeping)
         self.cycle_done = threading.Condition()
         self.last_result: CycleResult | None = None
+        self.queue = QueueCache()  # SQLite: the queue kept across cycles
 
     def run(self) -> None:
         """Lead, cycle; when fenced off (another leader took over), wait to lead again."""
@@ -100,9 +101,14 @@ class SchedulerLoop:
         if self.platform.read_sessions is self.platform.sessions:  # PostgreSQL: reads never block a writer
             with self.platform.sessions() as session:
                 return run_cycle(session, settings=settings, lease=lease)
-        # SQLite: plan in a deferred read, hold the write lock only to write (issue 12)
+        # SQLite: plan in a deferred read, hold the write lock only to write, and read only the
+        # queued jobs changed since the last cycle (issue 12)
         with self.platform.read_sessions() as reading, self.platform.sessions() as session:
-            return run_cycle(session, settings=settings, lease=lease, read_session=reading)
+            try:
+                return run_cycle(session, settings=settings, lease=lease, read_session=reading, queue=self.queue)
+            except BaseException:
+                self.queue.reset()  # whatever went wrong, the next cycle reads the whole queue
+                raise
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="hai-scheduler", daemon=True)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Row, Text, and_, case, cast, func, select
+from sqlalchemy import Row, Text, and_, bindparam, case, cast, func, select, update
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import GpuHold, Job, JobAllocation, Node, Quota, UserUsage
+from hai.db.models import GpuHold, Job, JobAllocation, JobChangeCounter, Node, Quota, UserUsage
 from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
 from hai.domain.nodes import SCHEDULABLE_STATES
@@ -103,12 +103,47 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
     return _load(session, now=now, lost_after_s=lost_after_s)[0]
 
 
+class QueueCache:
+    """The queue of the last cycle, kept across cycles by the scheduler process (SQLite; issue 12).
+
+    A cycle read every queued job's row and built its QueuedJob (at 10,000 queued ~0.25 s of CPU
+    a cycle, in the process that also serves the API); what a queued job is for the scheduler
+    depends only on its row, so the next cycle reads only the rows changed since:
+    ``Job.change_seq > mark``, where ``mark`` is ``job_change_counter.seq`` as the last read
+    saw it. The database's triggers give every insert and update of a job row the next marker,
+    under SQLite's one write lock, so a read that saw the counter at ``m`` saw every change
+    marked ``<= m``: the changed rows are exactly those marked ``> m``. A changed job that is no
+    longer queued (or is held) leaves the cache. The read then checks the cache's size against
+    the database's count of queued jobs (one aggregate the cycle makes anyway, in the same read
+    transaction); on a mismatch (a row deleted, a counter reset) it reads the whole queue again.
+    ``tests/api/test_queue_cache.py`` compares the snapshot with a fresh full load after
+    submissions, starts, cancels, holds, resumes, suspensions, requeues and priority changes."""
+
+    def __init__(self) -> None:
+        self.mark: int | None = None  # None: the next read is a full one
+        self.jobs: dict[int, sched.QueuedJob] = {}
+        self.shows: dict[int, QueuedNow] = {}  # (handed to apply_decisions as ``current``: read only)
+        self.full_reads = 0
+        self.rows_read = 0  # rows of queued (or formerly queued) jobs read by the last cycle
+
+    def reset(self) -> None:
+        self.mark = None
+        self.jobs = {}
+        self.shows = {}
+
+
 # the columns of a node the snapshot needs: not its GPU inventory and metrics, NICs and labels
 # (JSON documents that a cycle decoded for every node of the cluster, twice; issue 14's profile)
 _NODE_COLUMNS = (Node.name, Node.zone, Node.leaf, Node.gpus, Node.gpu_indices, Node.state, Node.last_heartbeat_at)
 
 
-def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sched.Snapshot, dict[int, QueuedNow]]:
+def _load(
+    session: Session, *, now: datetime, lost_after_s: float, queue: QueueCache | None = None,
+    queued_count: int | None = None,
+) -> tuple[sched.Snapshot, dict[int, QueuedNow]]:
+    """The snapshot and each queued job's pending reason and reservation. ``queue`` (SQLite,
+    with ``queued_count``: the number of queued jobs not held, read in the same transaction):
+    the queued jobs come from the cache, refreshed with the rows changed since its last read."""
     nodes = session.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
     held: dict[str, set[int]] = {}
     active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
@@ -134,41 +169,28 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
         )
         for n in nodes
     )
-    rows = session.execute(
-        select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
-    )
+    mark = None
+    if queue is not None:
+        mark = session.scalar(select(JobChangeCounter.seq).where(JobChangeCounter.id == 1))
+        if mark is None:  # no counter (not migrated): no markers either
+            queue = None
+    if queue is None:
+        rows = session.execute(
+            select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
+        )
+    else:
+        rows = session.execute(select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES])))
     running: list[sched.RunningJob] = []
     queued: list[sched.QueuedJob] = []
     current: dict[int, QueuedNow] = {}
     for j in rows:
-        common = dict(
-            id=j.id,
-            user=j.user_name,
-            group=j.group,
-            priority=_PRIORITIES[j.priority],
-            submitted_priority=_PRIORITIES[j.submitted_priority],
-            nodes=j.nodes,
-            gpus_per_node=j.gpus_per_node,
-            first_submitted_at=j.created_at.timestamp(),
-            allow_cross_zone=j.allow_cross_zone,
-            # attained service (least attained service, Policy.service_classes_gpu_s): the
-            # GPU-seconds of its finished attempts; a running job's current attempt is added by
-            # the policy from started_at, as in the simulator
-            attained_gpu_s=(j.run_s or 0.0) * j.nodes * j.gpus_per_node,
-        )
         if j.state == JobState.QUEUED.value:
             if not j.user_suspended:
-                reserved = tuple(_json(j.reserved_json, ()))
-                queued.append(
-                    sched.QueuedJob(
-                        **common,
-                        queued_at=j.queued_at.timestamp(),
-                        suspensions=j.suspensions,
-                        reserved_nodes=reserved,
-                    )
-                )
-                current[j.id] = QueuedNow(pending_reason=j.pending_reason, reserved_nodes=reserved)
+                q, c = _queued(j)
+                queued.append(q)
+                current[j.id] = c
             continue
+        common = _common(j)
         ckpt = _json(j.checkpoint_json, {})
         attempt_start = (j.attempt_started_at or now).timestamp()
         ckpt_at = ckpt.get("at")
@@ -188,6 +210,8 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
                 suspend_requested_for=j.suspend_for_job_id,
             )
         )
+    if queue is not None:
+        queued, current = _refresh(session, queue, mark, queued_count)
     quotas = tuple(
         sched.Quota(group=q.group, priority=Priority(q.priority), gpus=q.gpus, user=q.user_name)
         for q in session.scalars(select(Quota).order_by(Quota.id))
@@ -196,11 +220,75 @@ def _load(session: Session, *, now: datetime, lost_after_s: float) -> tuple[sche
     snapshot = sched.Snapshot(
         nodes=node_views,
         running=tuple(sorted(running, key=lambda r: r.id)),
-        queued=tuple(sorted(queued, key=lambda q: q.id)),
+        queued=tuple(sorted(queued, key=_by_id)),
         quotas=quotas,
         usage=usage,
     )
     return snapshot, current
+
+
+def _by_id(q: sched.QueuedJob) -> int:
+    return q.id
+
+
+def _common(j: Row) -> dict:
+    """The fields a queued and a running job share, from its row."""
+    return dict(
+        id=j.id,
+        user=j.user_name,
+        group=j.group,
+        priority=_PRIORITIES[j.priority],
+        submitted_priority=_PRIORITIES[j.submitted_priority],
+        nodes=j.nodes,
+        gpus_per_node=j.gpus_per_node,
+        first_submitted_at=j.created_at.timestamp(),
+        allow_cross_zone=j.allow_cross_zone,
+        # attained service (least attained service, Policy.service_classes_gpu_s): the
+        # GPU-seconds of its finished attempts; a running job's current attempt is added by
+        # the policy from started_at, as in the simulator
+        attained_gpu_s=(j.run_s or 0.0) * j.nodes * j.gpus_per_node,
+    )
+
+
+def _queued(j: Row) -> tuple[sched.QueuedJob, QueuedNow]:
+    """A queued job of the snapshot, and what it shows now, from its row alone (no ``now``,
+    nothing of another row: what QueueCache relies on)."""
+    reserved = tuple(_json(j.reserved_json, ()))
+    job = sched.QueuedJob(
+        **_common(j), queued_at=j.queued_at.timestamp(), suspensions=j.suspensions, reserved_nodes=reserved,
+    )
+    return job, QueuedNow(pending_reason=j.pending_reason, reserved_nodes=reserved)
+
+
+def _refresh(
+    session: Session, queue: QueueCache, mark: int, queued_count: int | None
+) -> tuple[list[sched.QueuedJob], dict[int, QueuedNow]]:
+    """The queued jobs not held, from ``queue`` refreshed to ``mark`` (see QueueCache)."""
+    for _ in range(2):
+        full = queue.mark is None or mark < queue.mark
+        if full:
+            queue.reset()
+            rows = session.execute(select(*_JOB_COLUMNS).where(Job.state == JobState.QUEUED.value))
+            queue.full_reads += 1
+        else:
+            rows = session.execute(select(*_JOB_COLUMNS).where(Job.change_seq > queue.mark))
+        n = 0
+        jobs, shows = queue.jobs, queue.shows
+        for j in rows:
+            n += 1
+            if j.state == JobState.QUEUED.value and not j.user_suspended:
+                jobs[j.id], shows[j.id] = _queued(j)
+            else:
+                jobs.pop(j.id, None)
+                shows.pop(j.id, None)
+        queue.rows_read = n
+        queue.mark = mark
+        if queued_count is None or len(jobs) == queued_count:
+            break
+        log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
+                    len(jobs), queued_count)
+        queue.reset()
+    return list(queue.jobs.values()), queue.shows
 
 
 def _update_usage(
@@ -248,13 +336,9 @@ class _Quiet:
 _DEMOTABLE = DEMOTED.value  # the one priority whose running jobs a cycle demotes
 
 
-def _quiet(session: Session) -> _Quiet | None:
-    """None unless this cycle has nothing to decide: no queued job that is not held (so no
-    start, suspension, reservation or pending reason) and no active job of the one priority a
-    cycle demotes (so no demotion). Then the full cycle's only effect is the usage update, and
-    its input is the GPUs each user's active jobs hold, read here without the snapshot (issue
-    14's profile: ~95 cycles after the placement, with an empty queue, each loading every node,
-    allocation and job). Two small queries instead of the snapshot's three large ones."""
+def _queued_and_demotable(session: Session) -> tuple[int, int]:
+    """How many queued jobs are not held, and how many active jobs have the priority a cycle
+    demotes: one aggregate."""
     active = [s.value for s in ACTIVE_STATES]
     queued, demotable = session.execute(
         select(
@@ -263,6 +347,18 @@ def _quiet(session: Session) -> _Quiet | None:
             func.coalesce(func.sum(case((and_(Job.state.in_(active), Job.priority == _DEMOTABLE), 1), else_=0)), 0),
         ).where(Job.state.in_([*active, JobState.QUEUED.value]))
     ).one()
+    return int(queued), int(demotable)
+
+
+def _quiet(session: Session, counts: tuple[int, int] | None = None) -> _Quiet | None:
+    """None unless this cycle has nothing to decide: no queued job that is not held (so no
+    start, suspension, reservation or pending reason) and no active job of the one priority a
+    cycle demotes (so no demotion). Then the full cycle's only effect is the usage update, and
+    its input is the GPUs each user's active jobs hold, read here without the snapshot (issue
+    14's profile: ~95 cycles after the placement, with an empty queue, each loading every node,
+    allocation and job). Two small queries instead of the snapshot's three large ones."""
+    active = [s.value for s in ACTIVE_STATES]
+    queued, demotable = counts if counts is not None else _queued_and_demotable(session)
     if queued or demotable:
         return None
     # as the snapshot counts a running job's GPUs: its current attempt's active allocations, each
@@ -339,7 +435,7 @@ def _pick_master_port(used: set[int], *, base: int) -> int:
 
 def run_cycle(
     session: Session, *, settings: Settings, now: datetime | None = None, lease: "Lease | None" = None,
-    read_session: Session | None = None,
+    read_session: Session | None = None, queue: QueueCache | None = None,
 ) -> CycleResult:
     """One full cycle; its decisions are written in one transaction. With ``lease`` (the
     scheduler process), the writing transaction is fenced first: it fails with
@@ -352,7 +448,10 @@ def run_cycle(
     planned and submissions queued behind it past the busy timeout ("database is locked",
     issue 12). What changed in between is what apply_decisions re-checks anyway (a job no
     longer queued or held is skipped; a GPU is held once by the database's own index), as on
-    PostgreSQL, whose reads never block a writer."""
+    PostgreSQL, whose reads never block a writer.
+
+    ``queue`` (SQLite, the scheduler process): the queued jobs of the last cycle, refreshed
+    with the rows changed since (QueueCache) instead of read again every cycle."""
     from hai.services.leader import fence, renew
 
     if lease is not None and read_session is None:
@@ -360,10 +459,12 @@ def run_cycle(
     now = now or utcnow()
     planner = read_session if read_session is not None else session
     half_life_s = settings.scheduler.usage_half_life_s
-    quiet = _quiet(planner)
+    counts = _queued_and_demotable(planner)
+    quiet = _quiet(planner, counts)
     if quiet is not None:
         return _quiet_cycle(session, quiet, now=now, half_life_s=half_life_s, lease=lease, read_session=read_session)
-    snapshot, current = _load(planner, now=now, lost_after_s=settings.agent.lost_after_s)
+    snapshot, current = _load(planner, now=now, lost_after_s=settings.agent.lost_after_s, queue=queue,
+                              queued_count=counts[0])
     usage = _update_usage(planner, snapshot, now=now, half_life_s=half_life_s, write=read_session is None)
     if read_session is not None:
         read_session.rollback()  # the planning read ends here
@@ -406,6 +507,21 @@ def hold_gpus(session: Session, allocations: list[JobAllocation]) -> None:
     )
 
 
+_jobs = Job.__table__
+# a queued job's reservation and (unless its owner holds it; None: unchanged) pending reason
+_WRITE_QUEUED = (
+    update(_jobs)
+    .where(_jobs.c.id == bindparam("i"), _jobs.c.state == JobState.QUEUED.value)
+    .values(
+        reserved_nodes=bindparam("n", type_=_jobs.c.reserved_nodes.type),
+        pending_reason=case(
+            (_jobs.c.user_suspended.is_(True), _jobs.c.pending_reason),
+            else_=func.coalesce(bindparam("r", type_=Text), _jobs.c.pending_reason),
+        ),
+    )
+)
+
+
 def apply_decisions(
     session: Session,
     decisions: sched.Decisions,
@@ -429,14 +545,13 @@ def apply_decisions(
         dropped = {i for i in reserved_now if i not in decisions.reservations}
     else:
         reservations, dropped = set(decisions.reservations), set()
-    ids = (
-        {s.job_id for s in decisions.starts}
-        | {s.job_id for s in decisions.suspends}
-        | {d.job_id for d in decisions.demotions}
-        | reservations
-        | dropped
-        | set(pending)
-    )
+    # the jobs a state changes for (starts, suspensions, demotions) are loaded and locked as ORM
+    # objects: their transitions record events; a queued job whose reason or reservation is all
+    # that changes is written by one UPDATE executed for all of them (issue 12: loading each
+    # such job as an ORM object, with its events, was ~0.2 ms a job; a cycle where every one of
+    # 10,000 queued jobs got a new reason took seconds)
+    ids = {s.job_id for s in decisions.starts} | {s.job_id for s in decisions.suspends} | {d.job_id for d in decisions.demotions}
+    queued_only = sorted((reservations | dropped | set(pending)) - ids)
     jobs = {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(sorted(ids))).with_for_update())} if ids else {}
     # only the nodes this cycle hands GPUs on: their GPU numbering and address
     placed = sorted({alloc.node for s in decisions.starts for alloc in s.allocations})
@@ -499,3 +614,10 @@ def apply_decisions(
         job = jobs.get(job_id)
         if job is not None and job.state == JobState.QUEUED.value and not job.user_suspended and job.pending_reason != reason:
             job.pending_reason = reason
+
+    if queued_only:
+        # as for the ORM objects above: only a job still queued, its reason only if not held
+        session.flush()
+        session.connection().execute(_WRITE_QUEUED, [
+            {"i": i, "n": list(decisions.reservations.get(i, ())), "r": pending.get(i)} for i in queued_only
+        ])

@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy import (
+    JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, event, text,
+)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from hai.db.base import Base, UTCDateTime, utcnow
@@ -153,6 +155,7 @@ class Job(Base):
         Index("ix_jobs_user_name_id", "user_name", "id"),
         Index("ix_jobs_user_name_state_id", "user_name", "state", "id"),
         Index("ix_jobs_user_id_state", "user_id", "state"),
+        Index("ix_jobs_change_seq", "change_seq"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -207,6 +210,13 @@ class Job(Base):
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     lost_gpu_s: Mapped[float] = mapped_column(Float, default=0.0)
     run_s: Mapped[float] = mapped_column(Float, default=0.0)  # sum over finished attempts
+
+    # the change marker (issue 12): on SQLite the database itself sets it, by the triggers of
+    # JOB_CHANGE_TRIGGERS, to the next value of ``job_change_counter.seq`` whenever the row is
+    # inserted or updated, whoever writes it; the scheduler reads only the queued jobs changed
+    # since its last cycle (services/scheduling.QueueCache). Never written by the application;
+    # NULL on PostgreSQL, whose scheduler reads the whole queue.
+    change_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list["JobEvent"]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", lazy="selectin"
@@ -284,6 +294,37 @@ class GpuHold(Base):
     allocation: Mapped[JobAllocation] = relationship(back_populates="holds")
 
 
+class JobChangeCounter(Base):
+    """One row (id 1): the last change marker handed out to a job row (``Job.change_seq``).
+    SQLite only (its one writer at a time makes the markers increase in commit order)."""
+
+    __tablename__ = "job_change_counter"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+# SQLite: every insert and update of a job row takes the next marker (the counter's row is
+# written under the database's one write lock, so a reader that saw marker m has seen every
+# change with a marker <= m). An update that sets change_seq itself (the triggers' own) does not
+# fire again. Created by migration 0015 and, for Base.metadata.create_all, by the listener below.
+# A batch migration that copies the jobs table on SQLite drops these: re-create them after it
+# (tests/integration/test_migrations.py checks they exist at head).
+JOB_CHANGE_TRIGGERS = (
+    """CREATE TRIGGER IF NOT EXISTS jobs_change_seq_insert AFTER INSERT ON jobs
+BEGIN
+  UPDATE job_change_counter SET seq = seq + 1 WHERE id = 1;
+  UPDATE jobs SET change_seq = (SELECT seq FROM job_change_counter WHERE id = 1) WHERE id = NEW.id;
+END""",
+    """CREATE TRIGGER IF NOT EXISTS jobs_change_seq_update AFTER UPDATE ON jobs WHEN NEW.change_seq IS OLD.change_seq
+BEGIN
+  UPDATE job_change_counter SET seq = seq + 1 WHERE id = 1;
+  UPDATE jobs SET change_seq = (SELECT seq FROM job_change_counter WHERE id = 1) WHERE id = NEW.id;
+END""",
+)
+JOB_CHANGE_COUNTER_ROW = "INSERT OR IGNORE INTO job_change_counter (id, seq) VALUES (1, 0)"
+
+
 class SchedulerLease(Base):
     """Leadership of the scheduler, fenced (services/leader.py): each new leader bumps ``epoch``;
     every transaction that writes scheduling decisions locks this row and checks that its epoch
@@ -357,3 +398,14 @@ class IdempotencyKey(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+@event.listens_for(Base.metadata, "after_create")
+def _job_change_triggers(_target, connection, **_kw) -> None:  # noqa: ANN001
+    """create_all (tests, tools) gets what migration 0015 creates: the counter's row and, on
+    SQLite, the triggers that maintain ``Job.change_seq``."""
+    if connection.dialect.name != "sqlite":
+        return
+    connection.exec_driver_sql(JOB_CHANGE_COUNTER_ROW)
+    for ddl in JOB_CHANGE_TRIGGERS:
+        connection.exec_driver_sql(ddl)
