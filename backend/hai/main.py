@@ -55,6 +55,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
         guards.install_redaction()
         yield
+        if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness
+            app.state.reply_cache.close()
         if owned and app.state.platform is not None:
             app.state.platform.close()
 
