@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from hai.db.models import Node
+from hai.db.models import Node, ValidationRun
 from hai.main import create_app
 from hai.protocol import AgentHello, AttemptStatus, GpuInfo, GpuMetrics, Heartbeat, RankStatus
 from hai.schemas.jobs import JobCreate
@@ -129,11 +129,12 @@ class _SteadyNode:
         action()
         assert self.api.notifier.wait(topic, since, 30.0), "no notification through Redis"
 
-    def beat(self, *, version: int = 1, status: int = 200) -> dict:
+    def beat(self, *, version: int = 1, status: int = 200, validations: list | None = None) -> dict:
         hb = Heartbeat(node=self.node, assignments_digest=self.digest,
                        gpus=[GpuMetrics(index=0, uuid="G0", util_pct=50.0)],
                        attempts=[AttemptStatus(job_id=self.job_id, attempt=1,
-                                               ranks=[RankStatus(rank=0, local_rank=0, pid=7)])])
+                                               ranks=[RankStatus(rank=0, local_rank=0, pid=7)])],
+                       validations=validations or [])
         body = hb.model_dump(mode="json") | {"protocol_version": version}
         r = self.client.post("/api/v1/agent/heartbeat", json=body, headers=self.h)
         assert r.status_code == status, r.text
@@ -231,7 +232,21 @@ def test_the_quick_round_comes_on_the_same_heartbeat_as_without_the_cache(replic
         # heartbeats 2 and 3: no round; heartbeat 4 (the every-th) asks for one
         assert [bool(r["validations"]) for r in replies] == [False, False, True]
         assert [v["level"] for v in replies[-1]["validations"]] == ["quick"]
-        assert app.state.reply_cache.hits - hits0 >= 1  # heartbeat 3 came from the cache
+        cache = app.state.reply_cache
+        assert cache.hits - hits0 >= 1  # heartbeat 3 came from the cache
+        # the agent reports the round (a full pass); the heartbeat after it, without the report,
+        # is answered from the reply to the report: no third full pass per round
+        run = replies[-1]["validations"][0]
+        report = {"run_id": run["run_id"], "level": run["level"], "started_at": 1.0, "finished_at": 2.0,
+                  "checks": [{"name": "gpu_inventory", "level": "quick", "critical": True, "status": "passed",
+                              "value": 1, "threshold": 1, "detail": "1 GPU as registered"}]}
+        hits = cache.hits
+        after_report = n.beat(validations=[report])
+        assert cache.hits == hits and after_report["validations"] == []
+        assert n.beat()["assignments_digest"] == n.digest
+        assert cache.hits == hits + 1
+        with other.sessions() as s:
+            assert s.get(ValidationRun, run["run_id"]).status == "passed"
 
 
 def test_an_unsupported_protocol_version_is_refused_even_with_a_cached_reply(two):

@@ -278,8 +278,11 @@ class ReplyCache:
 
     def store(self, hb: Heartbeat, reply: ServerReply, *, seen: dict | None, version: int, epoch: int) -> None:
         state = (seen or {}).get("state")
+        # a heartbeat that delivered validation results may leave a steady reply (the next one,
+        # without them, is answered from it): absorbing a passed run changes nothing the reply
+        # says, and a failed one changes the node's state, which publishes its topic
         steady = (self.ttl_s > 0 and state is not None and not reply.reregister and not reply.validations
-                  and not hb.validations and hb.assignments_digest == reply.assignments_digest
+                  and hb.assignments_digest == reply.assignments_digest
                   and state in (NodeState.READY.value, NodeState.DRAINED.value)
                   and all(a.action == DesiredAction.RUN for a in reply.assignments))
         quick_left = None
