@@ -50,7 +50,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backend"))
 
 GPUS = 8
-AGENTS_PER_CLIENT = 25
 
 
 def free_port() -> int:
@@ -257,10 +256,16 @@ async def run(args) -> dict:  # noqa: ANN001, C901
         agents = [SimAgent(i) for i in range(args.agents)]
         stats = Stats()
         # httpcore's pool matches every queued request against every connection: one pool of
-        # 1,250 agents spends the generator's CPU there. Agents are independent anyway: one
-        # client (keep-alive pool) per AGENTS_PER_CLIENT agents.
-        shards = max(1, -(-args.agents // AGENTS_PER_CLIENT))
-        per = max(2, args.connections // shards)
+        # 1,250 agents spends the generator's CPU there. Agents are independent anyway. By default
+        # each agent has its own client of one keep-alive connection, as a real agent does
+        # (AgentClient: one httpx.Client per server), so its heartbeats reach the API process that
+        # accepted its connection; ``--agents-per-client N`` shares one pool among N agents
+        # (their heartbeats then land on any worker: each worker's reply cache misses them).
+        if args.agents_per_client > 1:
+            shards = max(1, -(-args.agents // args.agents_per_client))
+            per = max(2, args.connections // shards)
+        else:
+            shards, per = args.agents, 1
         limits = httpx.Limits(max_connections=per, max_keepalive_connections=per)
         clients = [httpx.AsyncClient(base_url=base, limits=limits, timeout=30,
                                      headers={"Authorization": f"Bearer {agent_token}"}) for _ in range(shards)]
@@ -406,7 +411,7 @@ async def run(args) -> dict:  # noqa: ANN001, C901
         cpu = {k: round((c1[k] - c0[k]) / elapsed, 3) for k in c0}
         result.update({
             "agents": args.agents, "gpus_per_agent": GPUS, "interval_s": args.interval_s,
-            "server_workers": args.workers, "cpu_count": os.cpu_count(), "measured_s": round(elapsed, 1),
+            "server_workers": args.workers, "agents_per_client": args.agents_per_client, "cpu_count": os.cpu_count(), "measured_s": round(elapsed, 1),
             "heartbeats": stats.sent, "heartbeats_per_s": round(stats.sent / elapsed, 1),
             "expected_per_s": round(args.agents / args.interval_s, 1),
             "latency_ms": {"p50": round(pct(stats.lat, 50) * 1000, 1), "p90": round(pct(stats.lat, 90) * 1000, 1),
@@ -455,7 +460,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=None, help="running 4-GPU jobs (default: half the GPUs)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="hai server worker processes")
     ap.add_argument("--pool", type=int, default=10, help="database pool size per process")
-    ap.add_argument("--connections", type=int, default=256, help="the generator's keep-alive connections")
+    ap.add_argument("--agents-per-client", type=int, default=1,
+                    help="agents sharing one keep-alive pool (1: one connection per agent, as real agents)")
+    ap.add_argument("--connections", type=int, default=256,
+                    help="with --agents-per-client > 1: the generator's keep-alive connections in all")
     ap.add_argument("--probe-every-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--database-url", default=os.environ.get("HAI_BENCH_DATABASE_URL")

@@ -55,6 +55,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
         guards.install_redaction()
         yield
+        if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness
+            app.state.reply_cache.close()
         if owned and app.state.platform is not None:
             app.state.platform.close()
 
@@ -72,10 +74,12 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     errors.install(app)
     # issue 13: every refusal a route can send is declared in the OpenAPI schema
     user_errors = error_responses(400, 401, 403, 404, 409, 413, 429)
+    # the agent's routes first: every node calls them every second, and a request is matched
+    # against the routes in order (issue 12; no other route's path overlaps theirs)
+    app.include_router(agent.router, responses=user_errors | error_responses(426))
     app.include_router(health.router, responses=error_responses(400))
     for module in (jobs, nodes, users, metrics, telemetry):
         app.include_router(module.router, responses=user_errors)
-    app.include_router(agent.router, responses=user_errors | error_responses(426))
     app.include_router(nodes.validations_router, responses=user_errors)  # issue 10: GET /api/v1/validations/{id}
 
     configured = (platform.settings if platform else (settings or get_settings())).frontend_dist

@@ -81,8 +81,11 @@ class AgentSettings(BaseModel):
     stop_grace_s: float = 10.0
     reply_cache_s: float = Field(default=10.0, ge=0, description=(
         "with Redis: a steady heartbeat (the report and the held assignments unchanged, all of them "
-        "running) is answered from the API process's cache, with one UPDATE for liveness, for at most "
-        "this long; any change to the node's assignments invalidates it at once (0: never)"))
+        "running) is answered from the API process's cache, without the database (liveness written in "
+        "batches, liveness_flush_s), for at most this long; any change to the node's assignments invalidates it at once (0: never)"))
+    liveness_flush_s: float = Field(default=1.0, gt=0, description=(
+        "the liveness (last heartbeat, latest GPU figures) of heartbeats answered from the reply cache is "
+        "written for all nodes at once this often, by each API process; keep it well under lost_after_s"))
 
 
 class ValidationSettings(BaseModel):

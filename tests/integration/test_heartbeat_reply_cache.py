@@ -1,6 +1,8 @@
-"""Steady heartbeats are answered from the API process's reply cache (issue 12), and a change
-made by another process (the scheduler, another API replica) reaches that cache through Redis
-at once: PostgreSQL + Redis, two platforms standing for two processes."""
+"""Steady heartbeats are answered from the API process's reply cache (issue 12), without the
+database: their liveness is written in batches (``ReplyCache.flush``; the tests set the batch
+interval to an hour and flush by hand, so what is written when is theirs to say). A change made
+by another process (the scheduler, another API replica) reaches that cache through Redis at
+once: PostgreSQL + Redis, two platforms standing for two processes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from hai.db.models import Node
+from hai.db.models import Node, ValidationRun
 from hai.main import create_app
 from hai.protocol import AgentHello, AttemptStatus, GpuInfo, GpuMetrics, Heartbeat, RankStatus
 from hai.schemas.jobs import JobCreate
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def two(replicas):  # noqa: ANN001, ANN201
-    return replicas(2, validation={"quick_every_heartbeats": 0})
+    return replicas(2, validation={"quick_every_heartbeats": 0}, agent={"liveness_flush_s": 3600})
 
 
 def test_steady_heartbeats_hit_the_cache_and_a_change_elsewhere_invalidates_it(two):
@@ -83,8 +85,12 @@ def test_steady_heartbeats_hit_the_cache_and_a_change_elsewhere_invalidates_it(t
         again = beat(digest, util=93.0)
         assert cache.hits == hits + 1, "a steady heartbeat was not answered from the cache"
         assert again["assignments"] == first["assignments"] and again["assignments_digest"] == digest
+        assert seen_at()[0] == before, "a steady heartbeat wrote to the database"
+        assert cache.pending() == 1
+        assert cache.flush() == 1  # the batched write: liveness and figures
         after, metrics = seen_at()
-        assert after > before and metrics[0]["util_pct"] == 93.0  # liveness and figures still written
+        assert after > before and metrics[0]["util_pct"] == 93.0
+        assert cache.pending() == 0
 
         # another process cancels the job: the very next heartbeat must carry the stop
         def cancel() -> None:
@@ -97,3 +103,163 @@ def test_steady_heartbeats_hit_the_cache_and_a_change_elsewhere_invalidates_it(t
         assert cache.hits == hits
         assert [a["action"] for a in reply["assignments"]] == ["stop"]
         assert reply["assignments_digest"] != digest
+
+
+class _SteadyNode:
+    """One registered node running one job, heartbeating through ``app`` (the API process);
+    ``other`` stands for the scheduler and the other replicas."""
+
+    def __init__(self, api_platform, other, client, agent_token: str, alice) -> None:  # noqa: ANN001
+        self.api, self.other, self.client = api_platform, other, client
+        self.h = {"Authorization": f"Bearer {agent_token}"}
+        self.node = f"cache-{uuid.uuid4().hex[:8]}"
+        hello = AgentHello(node=self.node, address="127.0.0.1", zone="A", leaf="A1", fake_gpus=True,
+                           gpus=[GpuInfo(index=0, uuid="G0", model="Fake", memory_total_mib=1)])
+        assert client.post("/api/v1/agent/register", json=hello.model_dump(mode="json"), headers=self.h).status_code == 200
+        with other.sessions() as s:
+            self.job_id = job_service.submit_job(
+                session=s, spec=JobCreate(name="j", command=["sleep", "9"], gpus_per_node=1), user=alice).id
+        self.changed_elsewhere(lambda: run_cycle_in(other))
+        self.digest = None
+        self.digest = self.beat()["assignments_digest"]
+
+    def changed_elsewhere(self, action) -> None:  # noqa: ANN001
+        topic = notify.node_topic(self.node)
+        since = self.api.notifier.version(topic)
+        action()
+        assert self.api.notifier.wait(topic, since, 30.0), "no notification through Redis"
+
+    def beat(self, *, version: int = 1, status: int = 200, validations: list | None = None) -> dict:
+        hb = Heartbeat(node=self.node, assignments_digest=self.digest,
+                       gpus=[GpuMetrics(index=0, uuid="G0", util_pct=50.0)],
+                       attempts=[AttemptStatus(job_id=self.job_id, attempt=1,
+                                               ranks=[RankStatus(rank=0, local_rank=0, pid=7)])],
+                       validations=validations or [])
+        body = hb.model_dump(mode="json") | {"protocol_version": version}
+        r = self.client.post("/api/v1/agent/heartbeat", json=body, headers=self.h)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    def row(self) -> Node:
+        with self.other.sessions() as s:
+            return s.scalar(select(Node).where(Node.name == self.node))
+
+
+def run_cycle_in(platform) -> None:  # noqa: ANN001
+    with platform.sessions() as s:
+        run_cycle(s, settings=platform.settings)
+
+
+def _setup(api_platform, other):  # noqa: ANN001, ANN202
+    with other.sessions() as s:
+        agent_token = auth.create_agent_token(session=s)
+        user, _ = auth.create_user(session=s, name=f"u{uuid.uuid4().hex[:6]}", group="g")
+        alice = auth.Principal(kind="user", user_id=user.id, name=user.name, group="g")
+    return agent_token, alice
+
+
+def test_a_node_whose_state_changed_is_not_written_by_the_batch_and_is_answered_in_full(two):
+    from hai.domain.nodes import NodeState
+    from hai.services.node_state import set_node_state
+
+    api_platform, other = two
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        n.beat()  # a full pass that the cache keeps
+        cache = app.state.reply_cache
+        hits = cache.hits
+        n.beat()
+        assert cache.hits == hits + 1 and cache.pending() == 1
+        before = n.row().last_heartbeat_at
+
+        def lose() -> None:  # the reaper (another process) gives the node's work away
+            with other.sessions() as s:
+                node = s.scalar(select(Node).where(Node.name == n.node).with_for_update())
+                set_node_state(s, node, NodeState.LOST, actor="platform", reason="silent (test)")
+                s.commit()
+
+        n.changed_elsewhere(lose)
+        assert cache.flush() == 0, "the batch wrote liveness over the reaper's verdict"
+        row = n.row()
+        assert row.state == NodeState.LOST.value and row.last_heartbeat_at == before
+        reply = n.beat()
+        assert cache.hits == hits + 1  # not from the cache: the node must hand in its inventory again
+        assert reply["reregister"] is True
+
+
+def test_the_reaper_reads_batched_liveness_and_still_finds_a_node_gone_silent(two):
+    from datetime import timedelta
+
+    from hai.services.reaper import mark_lost_nodes
+
+    api_platform, other = two
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    lost_after = timedelta(seconds=other.settings.agent.lost_after_s)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        n.beat()
+        cache = app.state.reply_cache
+        hits = cache.hits
+        for _ in range(3):
+            n.beat()
+        assert cache.hits == hits + 3
+        cache.flush()
+        last = n.row().last_heartbeat_at
+        with other.sessions() as s:  # just inside the limit after the last answered heartbeat: alive
+            assert n.node not in mark_lost_nodes(session=s, settings=other.settings,
+                                                 now=last + lost_after - timedelta(seconds=1))
+        with other.sessions() as s:  # the agent said nothing after that: lost
+            assert n.node in mark_lost_nodes(session=s, settings=other.settings,
+                                             now=last + lost_after + timedelta(seconds=1))
+        assert n.row().state == "lost"
+
+
+def test_the_quick_round_comes_on_the_same_heartbeat_as_without_the_cache(replicas):
+    every = 4
+    api_platform, other = replicas(2, validation={"quick_every_heartbeats": every}, agent={"liveness_flush_s": 3600})
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)  # its first heartbeat: 1
+        hits0 = app.state.reply_cache.hits
+        replies = []
+        for _ in range(every - 1):
+            replies.append(n.beat())
+            app.state.reply_cache.flush()  # what the writer does every liveness_flush_s
+        # heartbeats 2 and 3: no round; heartbeat 4 (the every-th) asks for one
+        assert [bool(r["validations"]) for r in replies] == [False, False, True]
+        assert [v["level"] for v in replies[-1]["validations"]] == ["quick"]
+        cache = app.state.reply_cache
+        assert cache.hits - hits0 >= 1  # heartbeat 3 came from the cache
+        # the agent reports the round (a full pass); the heartbeat after it, without the report,
+        # is answered from the reply to the report: no third full pass per round
+        run = replies[-1]["validations"][0]
+        report = {"run_id": run["run_id"], "level": run["level"], "started_at": 1.0, "finished_at": 2.0,
+                  "checks": [{"name": "gpu_inventory", "level": "quick", "critical": True, "status": "passed",
+                              "value": 1, "threshold": 1, "detail": "1 GPU as registered"}]}
+        hits = cache.hits
+        after_report = n.beat(validations=[report])
+        assert cache.hits == hits and after_report["validations"] == []
+        assert n.beat()["assignments_digest"] == n.digest
+        assert cache.hits == hits + 1
+        with other.sessions() as s:
+            assert s.get(ValidationRun, run["run_id"]).status == "passed"
+
+
+def test_an_unsupported_protocol_version_is_refused_even_with_a_cached_reply(two):
+    api_platform, other = two
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        n.beat()
+        cache = app.state.reply_cache
+        hits, pending = cache.hits, cache.pending()
+        body = n.beat(version=99, status=426)
+        assert "version 99" in str(body)
+        assert cache.hits == hits and cache.pending() == pending
+        n.beat()
+        assert cache.hits == hits + 1  # the supported version is still answered from the cache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -100,3 +102,32 @@ def test_fields_added_by_the_agent_are_optional_for_older_peers():
 def test_invalid_messages_are_refused(bad):
     with pytest.raises(ValidationError):
         bad()
+
+
+# -- JSON types: true/false is not a number, a number is not true/false (issue 13; the rules are
+# worked out once per message class since issue 12, and must stay the same) ----------------------
+@pytest.mark.parametrize("body, field", [
+    ({"node": "n", "gpus": [{"index": True, "uuid": "G0"}]}, "index: a number is expected, not true"),
+    ({"node": "n", "gpus": [{"index": 0, "uuid": "G0", "util_pct": False}]}, "util_pct: a number is expected"),
+    ({"node": "n", "wait_s": True}, "wait_s: a number is expected"),
+    ({"node": "n", "attempts": [{"job_id": 1, "attempt": 1, "suspend_ready": 1}]},
+     "suspend_ready: true or false is expected, not 1"),
+    ({"node": "n", "attempts": [{"job_id": 1, "attempt": 1, "finished": "yes"}]},
+     "finished: true or false is expected"),
+    ({"node": "n", "attempts": [{"job_id": 1, "attempt": 1,
+                                 "progress": {"step": 1, "at": 1.0, "metrics": {"loss": True}}}]},
+     "metrics: numbers are expected, not true/false"),
+])
+def test_heartbeat_refuses_json_booleans_for_numbers_and_numbers_for_booleans(body, field):
+    with pytest.raises(ValidationError) as e:
+        Heartbeat.model_validate_json(json.dumps(body))
+    assert field in str(e.value)
+
+
+def test_heartbeat_keeps_numbers_booleans_and_nulls_it_is_given():
+    hb = Heartbeat.model_validate_json(json.dumps({
+        "node": "n", "wait_s": 0, "gpus": [{"index": 0, "uuid": "G0", "util_pct": 50, "temperature_c": None}],
+        "attempts": [{"job_id": 1, "attempt": 2, "suspend_ready": True,
+                      "progress": {"step": 3, "at": 1.5, "metrics": {"loss": 0.5}}}]}))
+    assert hb.gpus[0].util_pct == 50.0 and hb.gpus[0].temperature_c is None
+    assert hb.attempts[0].suspend_ready is True and hb.attempts[0].progress.metrics == {"loss": 0.5}

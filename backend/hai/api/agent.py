@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import AgentPrincipal, PlatformDep
@@ -30,7 +30,9 @@ def _reply_cache(request: Request, platform) -> agent_service.ReplyCache | None:
         return None
     cache = getattr(request.app.state, "reply_cache", None)
     if cache is None:
-        cache = request.app.state.reply_cache = agent_service.ReplyCache(settings.agent.reply_cache_s)
+        cache = request.app.state.reply_cache = agent_service.ReplyCache(
+            settings.agent.reply_cache_s, sessions=platform.sessions, engine=platform.engine, settings=settings,
+            flush_s=settings.agent.liveness_flush_s)
     return cache
 
 
@@ -38,26 +40,29 @@ def _reply_cache(request: Request, platform) -> agent_service.ReplyCache | None:
 async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _agent: AgentPrincipal) -> ServerReply:
     """Apply the agent's report and answer with the node's assignments. With ``wait_s`` the
     reply is held (long poll) until the assignments change, unless the agent is already behind."""
+    # issue 12: a steady heartbeat is answered from the reply cache in the event loop: no worker
+    # thread, no database (its liveness is written in the next batch), the reply's JSON as cached
+    agent_service.check_version(hb.protocol_version)
     topic = notify.node_topic(hb.node)
     notifier = platform.notifier
     since = notifier.version(topic)
     epoch = notifier.epoch
     cache = _reply_cache(request, platform)
+    steady = cache.lookup(hb, version=since, epoch=epoch) if cache is not None else None
+    if steady is not None and cache.answer(hb, steady):
+        if hb.wait_s <= 0:
+            return Response(steady.body, media_type="application/json")
+        reply = steady.reply
+    else:
+        def _apply() -> ServerReply:
+            with platform.sessions() as session:
+                seen: dict = {}
+                reply = agent_service.heartbeat(session=session, hb=hb, settings=platform.settings, seen=seen)
+                if cache is not None:
+                    cache.store(hb, reply, seen=seen, version=since, epoch=epoch)
+                return reply
 
-    def _apply() -> ServerReply:
-        with platform.sessions() as session:
-            steady = cache.lookup(hb, version=since, epoch=epoch) if cache is not None else None
-            if steady is not None and agent_service.heartbeat_steady(
-                    session=session, hb=hb, steady=steady, settings=platform.settings):
-                cache.hits += 1
-                return steady.reply
-            seen: dict = {}
-            reply = agent_service.heartbeat(session=session, hb=hb, settings=platform.settings, seen=seen)
-            if cache is not None:
-                cache.store(hb, reply, state=seen.get("state"), version=since, epoch=epoch)
-            return reply
-
-    reply = await run_in_threadpool(_apply)
+        reply = await run_in_threadpool(_apply)
     if hb.wait_s <= 0 or reply.reregister or reply.assignments_digest != hb.assignments_digest:
         return reply
 

@@ -38,28 +38,50 @@ __all__ = [
 ]
 
 
+def _json_type_checks(cls: type[BaseModel]) -> tuple:
+    """Per model class, once: (key, a number expected, a boolean expected, "list"/"dict" whose
+    items are numbers or None) for every field that has such a rule."""
+    checks = _JSON_TYPE_CHECKS.get(cls)
+    if checks is None:
+        out = []
+        for name, f in cls.model_fields.items():
+            kinds = set(typing.get_args(f.annotation)) or {f.annotation}
+            number = bool not in kinds and bool(kinds & {int, float})
+            boolean = bool in kinds and not kinds - {bool, type(None)}
+            # the items of a list[int|float] / the values of a dict[str, int|float]
+            origin, args = typing.get_origin(f.annotation), typing.get_args(f.annotation)
+            inner = (set(typing.get_args(args[-1])) or {args[-1]}) if args else set()
+            container = ("dict" if origin is dict and len(args) == 2 else "list" if origin is list and len(args) == 1
+                         else None)
+            items = container if container is not None and bool not in inner and inner & {int, float} else None
+            if number or boolean or items:
+                out.append((f.alias or name, number, boolean, items))
+        checks = _JSON_TYPE_CHECKS[cls] = tuple(out)
+    return checks
+
+
+_JSON_TYPE_CHECKS: dict[type, tuple] = {}
+
+
 def json_types_only(cls: type[BaseModel], data: object) -> object:
     """A model-level before-validator: JSON true/false where the schema says number, and anything
     but true/false where it says boolean, are refused — pydantic's lax mode would read them as
-    1/0 and 0/1/"yes" as booleans (found by schemathesis, issue 13)."""
+    1/0 and 0/1/"yes" as booleans (found by schemathesis, issue 13). The rules of each class are
+    worked out once (issue 12: this runs for every nested message of every heartbeat)."""
     if isinstance(data, dict):
-        for name, f in cls.model_fields.items():
-            key = f.alias or name
-            if key not in data or data[key] is None:
+        for key, number, boolean, items in _json_type_checks(cls):
+            value = data.get(key)
+            if value is None:
                 continue
-            value = data[key]
-            kinds = set(typing.get_args(f.annotation)) or {f.annotation}
-            if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            if number and isinstance(value, bool):
                 raise ValueError(f"{key}: a number is expected, not {str(value).lower()}")
-            if not isinstance(value, bool) and bool in kinds and not kinds - {bool, type(None)}:
+            if boolean and not isinstance(value, bool):
                 raise ValueError(f"{key}: true or false is expected, not {value!r}")
-            # the items of a list[int|float] / the values of a dict[str, int|float]
-            origin, args = typing.get_origin(f.annotation), typing.get_args(f.annotation)
-            items = (value.values() if origin is dict and isinstance(value, dict) and len(args) == 2 else
-                     value if origin is list and isinstance(value, list) and len(args) == 1 else ())
-            inner = (set(typing.get_args(args[-1])) or {args[-1]}) if args else set()
-            if bool not in inner and inner & {int, float} and any(isinstance(v, bool) for v in items):
-                raise ValueError(f"{key}: numbers are expected, not true/false")
+            if items is not None:
+                values = (value.values() if items == "dict" and isinstance(value, dict) else
+                          value if items == "list" and isinstance(value, list) else ())
+                if any(isinstance(v, bool) for v in values):
+                    raise ValueError(f"{key}: numbers are expected, not true/false")
     return data
 
 

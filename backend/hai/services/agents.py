@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
@@ -105,6 +105,7 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     reply = _heartbeat(session, hb, node, bool(maybe_pending), allocs, settings=settings, now=now)
     if seen is not None:
         seen["state"] = node.state
+        seen["heartbeats_since_quick"] = node.heartbeats_since_quick or 0
     session.commit()
     return reply
 
@@ -206,71 +207,191 @@ def _reply(session: Session, node: Node, assignments: list[Assignment], settings
 _COUNTING = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Steady:
     reply: ServerReply
+    body: bytes  # the reply as JSON, sent as it is
     attempts: list[AttemptStatus]
     state: str
     version: int  # the node topic's version read before the reply was built
     epoch: int
     until: float
+    # answers left before the node's quick round is due (a full pass starts it); None: not counted
+    quick_left: int | None
+
+
+@dataclass(slots=True)
+class _Beat:
+    """A steady heartbeat's liveness, waiting for the next batched write."""
+
+    at: object  # datetime
+    state: str
+    gpus: list  # GpuMetrics
+    quick: int  # heartbeats to add to the node's quick-round count
 
 
 class ReplyCache:
     """Per API process: the last reply of each node whose heartbeat changed nothing. The next
-    heartbeat with the same report, echoing that reply's digest, is answered with it after one
-    UPDATE (liveness, the latest GPU figures, the quick-round count), while nothing can have
-    changed the node's assignments: every change publishes the node's topic (``jobs.transition``,
-    starts, node state changes, validation requests), which moves its version; the notifier's
-    epoch moves when notifications may have been lost; and an entry lives ``ttl_s`` at most.
-    Only replies whose assignments all say ``run`` and that ask for no validation are kept
-    (a ``stop`` must be released by a full pass, a validation answered)."""
+    heartbeat with the same report, echoing that reply's digest, is answered with it without the
+    database: its liveness, latest GPU figures and quick-round count are kept in memory and
+    written for every such node at once every ``flush_s`` (``flush``: one UPDATE statement,
+    executemany in node-name order, then the metric buckets that are due), its GPU figures
+    buffered as before. Nothing can have changed the node's assignments meanwhile: every change
+    publishes the node's topic (``jobs.transition``, starts, node state changes, validation
+    requests), which moves its version; the notifier's epoch moves when notifications may have
+    been lost; and an entry lives ``ttl_s`` at most. Only replies whose assignments all say
+    ``run`` and that ask for no validation are kept (a ``stop`` must be released by a full pass,
+    a validation answered), and no more answers than leave the quick round un-due.
 
-    def __init__(self, ttl_s: float) -> None:
+    Why a node answered this way is never found silent by the reaper: every answer is written
+    within ``flush_s`` (while the database takes writes), and the entry it came from was made by
+    a full heartbeat that wrote the node's liveness at most ``ttl_s`` ago. A batched write only
+    touches a node still in the state its entry was made in (a reaper's or an admin's change
+    wins, and its notification drops the entry)."""
+
+    def __init__(self, ttl_s: float, *, sessions=None, engine=None, settings: Settings | None = None,  # noqa: ANN001
+                 flush_s: float = 1.0) -> None:
         self.ttl_s = ttl_s
+        self.flush_s = flush_s
+        self._sessions = sessions
+        self._engine = engine
+        self._settings = settings
         self._entries: dict[str, _Steady] = {}
+        self._beats: dict[str, _Beat] = {}
         self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.hits = 0
+        self.flushed = 0  # node rows written by ``flush``
 
     def lookup(self, hb: Heartbeat, *, version: int, epoch: int) -> _Steady | None:
         with self._lock:
             c = self._entries.get(hb.node)
         if c is None or c.version != version or c.epoch != epoch or c.until <= time.monotonic():
             return None
+        if c.quick_left is not None and c.quick_left <= 0:
+            return None
         if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
             return None
         return c
 
-    def store(self, hb: Heartbeat, reply: ServerReply, *, state: str | None, version: int, epoch: int) -> None:
+    def store(self, hb: Heartbeat, reply: ServerReply, *, seen: dict | None, version: int, epoch: int) -> None:
+        state = (seen or {}).get("state")
+        # a heartbeat that delivered validation results may leave a steady reply (the next one,
+        # without them, is answered from it): absorbing a passed run changes nothing the reply
+        # says, and a failed one changes the node's state, which publishes its topic
         steady = (self.ttl_s > 0 and state is not None and not reply.reregister and not reply.validations
-                  and not hb.validations and hb.assignments_digest == reply.assignments_digest
+                  and hb.assignments_digest == reply.assignments_digest
                   and state in (NodeState.READY.value, NodeState.DRAINED.value)
                   and all(a.action == DesiredAction.RUN for a in reply.assignments))
+        quick_left = None
+        every = self._settings.validation.quick_every_heartbeats if self._settings is not None else 0
+        if steady and every and state in _COUNTING:
+            quick_left = every - 1 - int(seen.get("heartbeats_since_quick") or 0)
+        entry = _Steady(reply, reply.model_dump_json().encode(), list(hb.attempts), state, version, epoch,
+                        time.monotonic() + self.ttl_s, quick_left) if steady else None
         with self._lock:
-            if steady:
-                self._entries[hb.node] = _Steady(reply, list(hb.attempts), state, version, epoch,
-                                                 time.monotonic() + self.ttl_s)
+            if entry is not None:
+                self._entries[hb.node] = entry
             else:
                 self._entries.pop(hb.node, None)
 
+    def answer(self, hb: Heartbeat, steady: _Steady) -> bool:
+        """A steady heartbeat answered with ``steady``: its liveness noted for the next batched
+        write and its GPU figures buffered. False if the entry ran out meanwhile (quick round due)."""
+        check_version(hb.protocol_version)
+        now = utcnow()
+        with self._lock:
+            if steady.quick_left is not None:
+                if steady.quick_left <= 0:
+                    return False
+                steady.quick_left -= 1
+            prev = self._beats.get(hb.node)
+            quick = (prev.quick if prev is not None and prev.state == steady.state else 0) + \
+                (1 if steady.quick_left is not None else 0)
+            self._beats[hb.node] = _Beat(now, steady.state, hb.gpus or (prev.gpus if prev else []), quick)
+            self.hits += 1
+            if self._thread is None and self._sessions is not None and self.flush_s > 0:
+                self._thread = threading.Thread(target=self._run, name="hai-liveness", daemon=True)
+                self._thread.start()
+        if self._settings is not None and self._engine is not None:
+            metrics_store.buffer_heartbeat(engine=self._engine, node=hb.node, gpus=hb.gpus, now=now,
+                                           settings=self._settings)
+        return True
 
-def heartbeat_steady(*, session: Session, hb: Heartbeat, steady: _Steady, settings: Settings) -> bool:
-    """The cached reply stands if the node is still in the state it was cached in and its quick
-    round is not due: liveness, GPU figures and the round's count in one UPDATE, the metrics
-    buffered. False (nothing written): the caller runs the full heartbeat."""
-    check_version(hb.protocol_version)
-    now = utcnow()
-    values: dict = {"last_heartbeat_at": now}
-    if hb.gpus:
-        values.update(metrics_store.latest_gpu_columns(hb.gpus, settings))
-    stmt = update(Node).where(Node.name == hb.node, Node.state == steady.state)
-    every = settings.validation.quick_every_heartbeats
-    if every and steady.state in _COUNTING:
-        stmt = stmt.where(Node.heartbeats_since_quick < every - 1)
-        values["heartbeats_since_quick"] = Node.heartbeats_since_quick + 1
-    if session.execute(stmt.values(**values).execution_options(synchronize_session=False)).rowcount != 1:
-        session.rollback()
-        return False
-    metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
-    session.commit()
-    return True
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._beats)
+
+    def flush(self) -> int:
+        """Write the noted liveness of every node (one statement, node-name order) and the metric
+        buckets that are due, and commit; returns the node rows written. What cannot be written
+        (the database is down) is kept for the next try, unless a newer heartbeat replaced it."""
+        with self._flush_lock:
+            with self._lock:
+                beats, self._beats = self._beats, {}
+            if self._sessions is None or self._settings is None:
+                return 0
+            try:
+                with self._sessions() as session:
+                    written = write_liveness(session=session, beats=beats, settings=self._settings)
+                    metrics_store.write_due(session=session, settings=self._settings)
+                    session.commit()
+            except Exception:
+                with self._lock:
+                    for name, b in beats.items():
+                        self._beats.setdefault(name, b)
+                raise
+            self.flushed += written
+            return written
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            try:
+                self.flush()
+            except Exception as e:  # noqa: BLE001 - logged; the next round retries
+                log.warning("writing the liveness of steady heartbeats failed (retrying): %s", str(e)[:300])
+
+    def close(self) -> None:
+        """Stop the writer and write what is noted (the API process is stopping)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001
+            log.exception("writing the liveness of steady heartbeats at shutdown failed")
+
+
+def write_liveness(*, session: Session, beats: dict[str, _Beat], settings: Settings) -> int:
+    """One UPDATE statement (executemany, in node-name order as a heartbeat batch takes its rows)
+    for the noted heartbeats: last heartbeat time, the latest GPU figures, the quick-round count,
+    each only where the node is still in the state its answer was given in. Flushes; the caller
+    commits. Returns the rows written."""
+    if not beats:
+        return 0
+    t = Node.__table__
+    rows = []
+    for name in sorted(beats):
+        b = beats[name]
+        cols = metrics_store.latest_gpu_columns(b.gpus, settings) if b.gpus else None
+        rows.append({"b_name": name, "b_state": b.state, "b_at": b.at, "b_quick": b.quick,
+                     "b_metrics": cols["gpu_metrics"] if cols else None,
+                     "b_util": cols["gpu_util_pct"] if cols else None,
+                     "b_busy": cols["gpus_busy"] if cols else None})
+    with_gpus = [r for r in rows if r["b_metrics"] is not None]
+    without = [r for r in rows if r["b_metrics"] is None]
+    base = {"last_heartbeat_at": bindparam("b_at", type_=t.c.last_heartbeat_at.type),
+            "heartbeats_since_quick": t.c.heartbeats_since_quick + bindparam("b_quick")}
+    where = (t.c.name == bindparam("b_name"), t.c.state == bindparam("b_state"))
+    written = 0
+    if with_gpus:
+        stmt = update(t).where(*where).values(
+            **base, gpu_metrics=bindparam("b_metrics", type_=t.c.gpu_metrics.type),
+            gpu_util_pct=bindparam("b_util", type_=t.c.gpu_util_pct.type),
+            gpus_busy=bindparam("b_busy", type_=t.c.gpus_busy.type))
+        written += session.execute(stmt, with_gpus).rowcount or 0
+    if without:
+        written += session.execute(update(t).where(*where).values(**base), without).rowcount or 0
+    return written

@@ -138,6 +138,30 @@ def record_heartbeat(*, session: Session, node: str, gpus: Sequence, now: dateti
             buf.flush_lock.release()
 
 
+def buffer_heartbeat(*, engine: Engine, node: str, gpus: Sequence, now: datetime, settings: Settings) -> None:  # noqa: ANN001
+    """Buffer one heartbeat's GPU figures only, no database (a steady heartbeat answered from the
+    reply cache, issue 12); ``write_due`` writes the closed buckets later."""
+    if gpus:
+        with _buffers_lock:
+            buf = _buffers.get(engine)
+            if buf is None:
+                buf = _buffers[engine] = _Buffer()
+        buf.add(node, gpus, _epoch(now), settings.metrics)
+
+
+def write_due(*, session: Session, settings: Settings) -> int:
+    """Write the closed buckets if a write is due (as ``record_heartbeat`` does), in this
+    session's transaction: the caller commits. Returns the node-bucket rows written."""
+    cfg = settings.metrics
+    buf = _buffer(session)
+    if time.monotonic() - buf.last_flush >= cfg.flush_interval_s and buf.flush_lock.acquire(blocking=False):
+        try:
+            return _write(session, buf, cfg, include_open=False)
+        finally:
+            buf.flush_lock.release()
+    return 0
+
+
 def flush(*, session: Session, settings: Settings, include_open: bool = True) -> int:
     """Write what is buffered (by default also the buckets still open) and commit; returns the
     node-bucket rows written."""
