@@ -108,10 +108,16 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_p
         _cycle(api, loop, lease)
         _same(api, cache)
 
-        # raw SQL behind the application's back; a HOT update (no indexed column changes)
+        # raw SQL behind the application's back; the second a HOT update (no indexed column changes)
         _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[2]).values(priority="VERY_HIGH")))
-        _write(api, lambda s: s.execute(text("UPDATE jobs SET reserved_nodes = '[\"n1\"]', allow_cross_zone = true"
-                                             " WHERE id = :i"), {"i": queued[3]}))
+
+        def hot(s):  # noqa: ANN001
+            hot_updates = text("SELECT n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'jobs'")
+            before = s.execute(hot_updates).scalar_one()  # this backend's counts not yet reported
+            s.execute(text("UPDATE jobs SET reserved_nodes = '[\"n1\"]', allow_cross_zone = true WHERE id = :i"),
+                      {"i": queued[3]})
+            assert s.execute(hot_updates).scalar_one() == before + 1
+        _write(api, hot)
         _same(api, cache)
         assert cache.jobs[queued[2]].priority.value == "VERY_HIGH"
         assert cache.shows[queued[3]].reserved_nodes == ("n1",)
