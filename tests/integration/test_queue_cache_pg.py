@@ -211,3 +211,17 @@ def test_a_marker_of_the_newest_transaction_seen_misses_that_write(api, monkeypa
         full, _ = _snapshot(api)
         stale, _ = _snapshot(api, cache)
         assert stale.queued != full.queued
+
+
+def test_a_horizon_too_many_transactions_old_makes_a_full_read(api):
+    """Past PG_HORIZON_MAX_AGE transactions the 32-bit xmin comparison is no longer trusted."""
+    api.register_node("n0")
+    for i in range(3):
+        api.submit(gpus_per_node=8, name=f"j{i}")
+    cache = scheduling.QueueCache()
+    _same(api, cache)
+    assert _same(api, cache) == 0 and cache.full_reads == 1
+    cache.mark -= scheduling.PG_HORIZON_MAX_AGE + 1  # as if ~1e9 transactions had run since
+    rows = _same(api, cache)
+    assert cache.full_reads == 2 and rows == len(cache.jobs) == 3
+    assert _same(api, cache) == 0 and cache.full_reads == 2  # a fresh horizon again
