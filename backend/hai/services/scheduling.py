@@ -326,8 +326,8 @@ def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJ
     jobs and the rows: ``h``, one row, LEFT JOINed to the rows to read (so the horizon comes
     even when none is). The horizon is the snapshot's xmin: every transaction with a smaller id
     had ended when the rows were read (its rows were seen, or it aborted), and this one's own id
-    if it is smaller (a fenced transaction has one from its row lock; what it writes after the
-    read must be read again next cycle). A later write is by a transaction whose id is not
+    if it is smaller (a fenced transaction has one from its UPDATE of the lease row; what it
+    writes after the read must be read again next cycle). A later write is by a transaction whose id is not
     smaller: in progress at the read (>= xmin) or begun after it (>= xmax)."""
     qcount = (
         select(func.count()).select_from(Job)
