@@ -1,8 +1,16 @@
-"""The scheduler's cycle on SQLite (``hai dev``) with a deep queue: CPU per cycle, with the queue
-kept across cycles (services/scheduling.QueueCache, what ``hai dev`` and ``hai scheduler`` do on
-SQLite) and without it (every cycle reads every queued job, as before issue 12's change marker).
+"""The scheduler's cycle with a deep queue, on SQLite (``hai dev``) or PostgreSQL: CPU per cycle,
+with the queue kept across cycles (services/scheduling.QueueCache, what ``hai dev`` and ``hai
+scheduler`` do) and without it (every cycle reads every queued job, as before issue 12's change
+marker on SQLite and the xmin horizon on PostgreSQL).
 
     python benchmarks/sqlite_cycle.py [--queued 10000] [--repeat 20]
+    HAI_TEST_DATABASE_URL=postgresql+psycopg://... python benchmarks/sqlite_cycle.py --postgresql
+
+``--postgresql``: the database at HAI_TEST_DATABASE_URL (its public schema is dropped and made
+again: a database of your own), the cycle as ``hai scheduler`` runs it there (one fenced
+transaction that reads and writes); besides this process's CPU, the CPU of the database server
+process that served the cycle (its /proc/<pid>/stat: the server must be on this machine) and
+the wall-clock time of the cycle (medians; the server's CPU, counted in clock ticks, as a mean).
 
 The database is api_load.py's: ``--queued`` 1-GPU jobs of 20 users queued, 4 nodes of 8 GPUs with
 fresh heartbeats, in a temporary SQLite file. Three cycles settle it (the first starts 32 jobs and
@@ -41,10 +49,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--queued", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--postgresql", action="store_true", help="the database at HAI_TEST_DATABASE_URL")
     args = ap.parse_args()
     out: dict = {"queued": args.queued, "load_before": api_load.loadavg()}
     with tempfile.TemporaryDirectory(prefix="hai-sqlite-cycle-") as tmp:
-        settings = Settings(data_dir=Path(tmp))
+        if args.postgresql:
+            url = os.environ.get("HAI_TEST_DATABASE_URL", "")
+            if not url.startswith("postgresql"):
+                raise SystemExit("set HAI_TEST_DATABASE_URL to a PostgreSQL database of your own")
+            api_load.reset_postgres(url)
+            settings = Settings(data_dir=Path(tmp), db={"url": url})
+        else:
+            settings = Settings(data_dir=Path(tmp))
+        out["database"] = "postgresql" if args.postgresql else "sqlite"
         _token, _agent, users = api_load.seed_users(settings)
         api_load.seed_jobs(settings.database_url, users[1:], args.queued)
         api_load.seed_nodes(settings, 4)
@@ -53,30 +70,47 @@ def main() -> None:
         try:
             with leadership(platform, stop=threading.Event()) as lease:
 
-                def cycle(cache: scheduling.QueueCache | None) -> tuple[float, scheduling.CycleResult]:
+                tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+
+                def server_cpu_ms(pid: int) -> float:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    return (int(fields[11]) + int(fields[12])) * tick_ms  # utime + stime
+
+                def cycle(cache: scheduling.QueueCache | None) -> tuple[float, float, float, scheduling.CycleResult]:
                     with platform.sessions() as s:  # heartbeats stay fresh (not timed)
                         s.execute(update(Node).values(last_heartbeat_at=utcnow()))
                         s.commit()
-                    c0 = time.process_time()
+                    if args.postgresql:  # as SchedulerLoop.cycle_once: one fenced transaction
+                        with platform.sessions() as session:
+                            pid = session.connection().connection.driver_connection.info.backend_pid
+                            s0, c0, w0 = server_cpu_ms(pid), time.process_time(), time.perf_counter()
+                            result = scheduling.run_cycle(session, settings=settings, lease=lease, queue=cache)
+                            c1, w1, s1 = time.process_time(), time.perf_counter(), server_cpu_ms(pid)
+                        return (c1 - c0) * 1000, s1 - s0, (w1 - w0) * 1000, result
+                    c0, w0 = time.process_time(), time.perf_counter()
                     with platform.read_sessions() as reading, platform.sessions() as session:
                         if cache is None:
                             result = scheduling.run_cycle(session, settings=settings, lease=lease, read_session=reading)
                         else:
                             result = scheduling.run_cycle(session, settings=settings, lease=lease,
                                                           read_session=reading, queue=cache)
-                    return (time.process_time() - c0) * 1000, result
+                    return (time.process_time() - c0) * 1000, 0.0, (time.perf_counter() - w0) * 1000, result
 
                 out["settle_ms"] = [round(cycle(queue)[0], 1) for _ in range(3)]
                 with_cache, without = [], []
                 for _ in range(args.repeat):
-                    ms, r1 = cycle(queue)
+                    *ms, r1 = cycle(queue)
                     with_cache.append(ms)
-                    ms, r2 = cycle(None)
+                    *ms, r2 = cycle(None)
                     without.append(ms)
                     assert r1.considered == r2.considered  # the same queue either way
                 out["considered"] = len(r1.considered)
-                out["steady_cycle_cpu_ms_with_queue_cache"] = round(statistics.median(with_cache), 1)
-                out["steady_cycle_cpu_ms_full_read"] = round(statistics.median(without), 1)
+                out["queue_cache_full_reads"] = queue.full_reads
+                for name, runs in (("with_queue_cache", with_cache), ("full_read", without)):
+                    out[f"steady_cycle_cpu_ms_{name}"] = round(statistics.median(r[0] for r in runs), 1)
+                    if args.postgresql:
+                        out[f"steady_cycle_server_cpu_ms_{name}_mean"] = round(statistics.fmean(r[1] for r in runs), 1)
+                    out[f"steady_cycle_wall_ms_{name}"] = round(statistics.median(r[2] for r in runs), 1)
         finally:
             platform.close()
     out["load_after"] = api_load.loadavg()

@@ -41,7 +41,7 @@ class SchedulerLoop:
         # notified after every cycle (tests and benchmarks wait on it instead of sleeping)
         self.cycle_done = threading.Condition()
         self.last_result: CycleResult | None = None
-        self.queue = QueueCache()  # SQLite: the queue kept across cycles
+        self.queue = QueueCache()  # the queue kept across cycles
 
     def run(self) -> None:
         """Lead, cycle; when fenced off (another leader took over), wait to lead again."""
@@ -98,16 +98,21 @@ class SchedulerLoop:
         settings = self.platform.settings
         with self.platform.sessions() as session:
             reaper.mark_lost_nodes(session=session, settings=settings, lease=lease)
+        # both read only the queued jobs changed since the last cycle (issue 12); whatever goes
+        # wrong, the next cycle reads the whole queue
         if self.platform.read_sessions is self.platform.sessions:  # PostgreSQL: reads never block a writer
             with self.platform.sessions() as session:
-                return run_cycle(session, settings=settings, lease=lease)
-        # SQLite: plan in a deferred read, hold the write lock only to write, and read only the
-        # queued jobs changed since the last cycle (issue 12)
+                try:
+                    return run_cycle(session, settings=settings, lease=lease, queue=self.queue)
+                except BaseException:
+                    self.queue.reset()
+                    raise
+        # SQLite: plan in a deferred read, hold the write lock only to write
         with self.platform.read_sessions() as reading, self.platform.sessions() as session:
             try:
                 return run_cycle(session, settings=settings, lease=lease, read_session=reading, queue=self.queue)
             except BaseException:
-                self.queue.reset()  # whatever went wrong, the next cycle reads the whole queue
+                self.queue.reset()
                 raise
 
     def start_thread(self) -> threading.Thread:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Row, Text, and_, bindparam, case, cast, func, select, update
+from sqlalchemy import Row, Text, and_, bindparam, case, cast, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -104,7 +104,7 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
 
 
 class QueueCache:
-    """The queue of the last cycle, kept across cycles by the scheduler process (SQLite; issue 12).
+    """The queue of the last cycle, kept across cycles by the scheduler process (issue 12).
 
     A cycle read every queued job's row and built its QueuedJob (at 10,000 queued ~0.25 s of CPU
     a cycle, in the process that also serves the API); what a queued job is for the scheduler
@@ -117,7 +117,20 @@ class QueueCache:
     the database's count of queued jobs (one aggregate the cycle makes anyway, in the same read
     transaction); on a mismatch (a row deleted, a counter reset) it reads the whole queue again.
     ``tests/api/test_queue_cache.py`` compares the snapshot with a fresh full load after
-    submissions, starts, cancels, holds, resumes, suspensions, requeues and priority changes."""
+    submissions, starts, cancels, holds, resumes, suspensions, requeues and priority changes.
+
+    PostgreSQL (``_refresh_pg``; a counter row would serialise every job write) uses what it
+    records already: each row version's ``xmin``, the transaction that wrote it. ``mark`` is
+    the horizon of the last read, ``pg_snapshot_xmin`` of that read's own snapshot (every
+    transaction older had ended: its rows were seen, or it aborted); the next read takes the
+    rows whose xmin is not older, whatever their state. A transaction open across the read and
+    committed after it is not older (a sequence number, or the newest id seen, misses it:
+    ``tests/integration/test_queue_cache_pg.py``). A savepoint's rows carry its subtransaction's
+    id, which is larger than its parent's; a HOT update writes a new row version with its own
+    xmin like any update; a row lock (``FOR UPDATE``) sets xmax only and changes nothing the
+    cycle reads; freezing keeps (or hides as 2) an xmin older than any horizon. The 32-bit xmin
+    is compared modulo 2**32, exact while the horizon is under 2**31 transactions old: past
+    PG_HORIZON_MAX_AGE, any error, or a count mismatch, the whole queue is read again."""
 
     def __init__(self) -> None:
         self.mark: int | None = None  # None: the next read is a full one
@@ -141,8 +154,9 @@ def _load(
     session: Session, *, now: datetime, lost_after_s: float, queue: QueueCache | None = None,
     queued_count: int | None = None,
 ) -> tuple[sched.Snapshot, dict[int, QueuedNow]]:
-    """The snapshot and each queued job's pending reason and reservation. ``queue`` (SQLite,
-    with ``queued_count``: the number of queued jobs not held, read in the same transaction):
+    """The snapshot and each queued job's pending reason and reservation. ``queue`` (on SQLite
+    with ``queued_count``: the number of queued jobs not held, read in the same transaction;
+    on PostgreSQL the count is read in the queue's own statement):
     the queued jobs come from the cache, refreshed with the rows changed since its last read."""
     nodes = session.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
     held: dict[str, set[int]] = {}
@@ -170,7 +184,8 @@ def _load(
         for n in nodes
     )
     mark = None
-    if queue is not None:
+    pg = queue is not None and session.get_bind().dialect.name == "postgresql"
+    if queue is not None and not pg:
         mark = session.scalar(select(JobChangeCounter.seq).where(JobChangeCounter.id == 1))
         if mark is None:  # no counter (not migrated): no markers either
             queue = None
@@ -210,7 +225,9 @@ def _load(
                 suspend_requested_for=j.suspend_for_job_id,
             )
         )
-    if queue is not None:
+    if pg:
+        queued, current = _refresh_pg(session, queue)
+    elif queue is not None:
         queued, current = _refresh(session, queue, mark, queued_count)
     quotas = tuple(
         sched.Quota(group=q.group, priority=Priority(q.priority), gpus=q.gpus, user=q.user_name)
@@ -288,6 +305,82 @@ def _refresh(
         log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
                     len(jobs), queued_count)
         queue.reset()
+    return list(queue.jobs.values()), queue.shows
+
+
+# PostgreSQL: a transaction id ages out of the 32-bit comparison after 2**31 transactions; a
+# cache whose horizon is this many transactions old is read again in full instead
+PG_HORIZON_MAX_AGE = 1_000_000_000
+_XID_WRAP = 1 << 32
+# the oldest transaction the next read must look at again: the snapshot's xmin, or this
+# transaction's own id if smaller (least() ignores NULL: no id yet)
+PG_HORIZON = ("least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,"
+              " pg_current_xact_id_if_assigned()::text::bigint)")
+
+
+def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJob], dict[int, QueuedNow]]:
+    """The queued jobs not held, from ``queue`` refreshed with the job rows written by every
+    transaction not known to have ended at its last read (PostgreSQL, see QueueCache).
+
+    One statement, so one snapshot (at any isolation level) for the horizon, the count of queued
+    jobs and the rows: ``h``, one row, LEFT JOINed to the rows to read (so the horizon comes
+    even when none is). The horizon is the snapshot's xmin: every transaction with a smaller id
+    had ended when the rows were read (its rows were seen, or it aborted), and this one's own id
+    if it is smaller (a fenced transaction has one from its UPDATE of the lease row; what it
+    writes after the read must be read again next cycle). A later write is by a transaction whose id is not
+    smaller: in progress at the read (>= xmin) or begun after it (>= xmax)."""
+    qcount = (
+        select(func.count()).select_from(Job)
+        .where(Job.state == JobState.QUEUED.value, Job.user_suspended.is_(False)).scalar_subquery()
+    )
+    h = select(
+        literal_column(PG_HORIZON).label("horizon"),
+        literal_column("pg_snapshot_xmax(pg_current_snapshot())::text::bigint").label("next_xid"),
+        qcount.label("queued"),
+    ).subquery("h")
+    while True:
+        full = queue.mark is None
+        if full:
+            on = Job.state == JobState.QUEUED.value
+        else:
+            # the row's xmin (32 bits) not older than the horizon, modulo 2**32: exact while the
+            # horizon is less than 2**31 transactions old (PG_HORIZON_MAX_AGE, checked below); a
+            # frozen row keeps its old xmin (or shows 2): older, not read
+            on = text("((jobs.xmin::text::bigint - :h32) & 4294967295) < 2147483648").bindparams(
+                h32=queue.mark % _XID_WRAP)
+        rows = session.execute(select(h.c.horizon, h.c.next_xid, h.c.queued, *_JOB_COLUMNS)
+                               .select_from(h.outerjoin(Job, on)))
+        jobs, shows = queue.jobs, queue.shows
+        if full:
+            jobs.clear()
+            shows.clear()
+            queue.full_reads += 1
+        n = 0
+        horizon = next_xid = queued_count = None
+        for j in rows:
+            horizon, next_xid, queued_count = j.horizon, j.next_xid, j.queued
+            if j.id is None:  # the LEFT JOIN's row when no job row is read
+                continue
+            n += 1
+            if j.state == JobState.QUEUED.value and not j.user_suspended:
+                jobs[j.id], shows[j.id] = _queued(j)
+            else:
+                jobs.pop(j.id, None)
+                shows.pop(j.id, None)
+        queue.rows_read = n
+        if full:  # the whole queue as of this snapshot
+            queue.mark = horizon
+            break
+        if next_xid - queue.mark > PG_HORIZON_MAX_AGE:
+            log.warning("scheduler: the queue cache's horizon is %d transactions old: reading it all again",
+                        next_xid - queue.mark)
+        elif len(jobs) != queued_count:
+            log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
+                        len(jobs), queued_count)
+        else:
+            queue.mark = horizon
+            break
+        queue.reset()  # and read it all, once
     return list(queue.jobs.values()), queue.shows
 
 
@@ -450,8 +543,8 @@ def run_cycle(
     longer queued or held is skipped; a GPU is held once by the database's own index), as on
     PostgreSQL, whose reads never block a writer.
 
-    ``queue`` (SQLite, the scheduler process): the queued jobs of the last cycle, refreshed
-    with the rows changed since (QueueCache) instead of read again every cycle."""
+    ``queue`` (the scheduler process): the queued jobs of the last cycle, refreshed with the
+    rows changed since (QueueCache) instead of read again every cycle."""
     from hai.services.leader import fence, renew
 
     if lease is not None and read_session is None:

@@ -215,7 +215,7 @@ class Job(Base):
     # JOB_CHANGE_TRIGGERS, to the next value of ``job_change_counter.seq`` whenever the row is
     # inserted or updated, whoever writes it; the scheduler reads only the queued jobs changed
     # since its last cycle (services/scheduling.QueueCache). Never written by the application;
-    # NULL on PostgreSQL, whose scheduler reads the whole queue.
+    # NULL on PostgreSQL, whose scheduler uses each row's xmin instead (QueueCache).
     change_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list["JobEvent"]] = relationship(

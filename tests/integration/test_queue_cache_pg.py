@@ -1,0 +1,227 @@
+"""Issue 12 on PostgreSQL: the scheduler keeps the queue across cycles and reads only the job
+rows written by transactions not known to have ended at its last read (the snapshot's xmin,
+services/scheduling._refresh_pg). The incremental snapshot must equal a fresh full read after
+every kind of write, and in particular after a write by a transaction that was open across a
+read and commits after it (what a "changed since the largest id seen" marker misses: the last
+test shows that such a marker gets this very sequence wrong)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, text, update
+
+from hai.db.base import utcnow
+from hai.db.migrate import upgrade
+from hai.db.models import Job
+from hai.domain.jobs import JobState
+from hai.main import create_app
+from hai.services import scheduling
+from hai.services.context import Platform
+from hai.services.jobs import requeue_as_restart, transition
+from hai.services.leader import leadership
+from hai.services.runner import SchedulerLoop
+from hai.settings import Settings
+from tests.api.test_queue_cache import _cycle, _same, _snapshot, _write
+from tests.conftest import Api
+
+
+@pytest.fixture
+def pg_platform(pg_url, tmp_path):
+    upgrade(pg_url)
+    settings = Settings(data_dir=tmp_path, db={"url": pg_url}, frontend_dist=tmp_path / "none",
+                        agent={"lost_after_s": 3600})
+    p = Platform.from_settings(settings)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def api(pg_platform):
+    with TestClient(create_app(pg_platform)) as client:
+        yield Api(client, pg_platform)
+
+
+def _open(api, sql: str, **params):  # noqa: ANN001, ANN003, ANN202
+    """A transaction that has written (so it has its id) and is left open: (connection, commit)."""
+    conn = api.platform.engine.connect()
+    conn.execute(text(sql), params)
+
+    def commit() -> None:
+        conn.commit()
+        conn.close()
+    return conn, commit
+
+
+def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_postgresql(api):
+    api.register_node("n0")
+    api.register_node("n1")
+    cache = scheduling.QueueCache()
+    loop = SchedulerLoop(api.platform)
+    jobs = [api.submit(gpus_per_node=g, name=f"j{i}")["id"] for i, g in enumerate([8, 8, 4, 4, 8, 2, 8, 1])]
+    jobs += [api.submit(api.bob, gpus_per_node=8, priority=p)["id"] for p in ("HIGH", "LOW", "NORMAL")]
+    _same(api, cache)
+    assert cache.full_reads == 1 and len(cache.jobs) == len(jobs)
+    assert _same(api, cache) == 0  # nothing written since: nothing read
+
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        first = _cycle(api, loop, lease)  # starts and pending reasons, written by the fenced transaction
+        assert first.started and loop.queue.full_reads == 1
+        assert set(first.considered) == set(jobs)
+        assert _same(api, cache) > 0
+        _cycle(api, loop, lease)  # the loop's cache reads its own cycle's writes again
+        assert loop.queue.full_reads == 1
+
+        queued = [j for j in jobs if j not in first.started]
+        api.post(f"/api/v1/jobs/{queued[0]}/cancel", api.admin).raise_for_status()
+        api.post(f"/api/v1/jobs/{queued[1]}/suspend", api.admin).raise_for_status()  # held: leaves the snapshot
+        _same(api, cache)
+        assert queued[0] not in cache.jobs and queued[1] not in cache.jobs
+        api.post(f"/api/v1/jobs/{queued[1]}/resume", api.admin).raise_for_status()
+        _same(api, cache)
+        assert queued[1] in cache.jobs
+
+        running = first.started[0]
+        api.post(f"/api/v1/jobs/{running}/suspend", api.admin).raise_for_status()
+        _same(api, cache)
+
+        def requeue(s):  # noqa: ANN001
+            job = s.get(Job, running)
+            job.suspensions += 1
+            transition(s, job, JobState.QUEUED, reason="suspended at a checkpoint")
+        _write(api, requeue)
+        _same(api, cache)
+        api.post(f"/api/v1/jobs/{running}/resume", api.admin).raise_for_status()
+        _same(api, cache)
+        assert cache.jobs[running].suspensions == 1
+
+        other = first.started[1]
+
+        def restart(s):  # noqa: ANN001
+            requeue_as_restart(s, s.get(Job, other), reason="node lost", pending_reason="requeued after node n0 was lost",
+                               now=utcnow())
+        _write(api, restart)
+        _same(api, cache)
+        assert cache.jobs[other].attained_gpu_s > 0
+        _cycle(api, loop, lease)
+        _same(api, cache)
+
+        # raw SQL behind the application's back; the second a HOT update (no indexed column changes)
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[2]).values(priority="VERY_HIGH")))
+
+        def hot(s):  # noqa: ANN001
+            hot_updates = text("SELECT n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = 'jobs'")
+            before = s.execute(hot_updates).scalar_one()  # this backend's counts not yet reported
+            s.execute(text("UPDATE jobs SET reserved_nodes = '[\"n1\"]', allow_cross_zone = true WHERE id = :i"),
+                      {"i": queued[3]})
+            assert s.execute(hot_updates).scalar_one() == before + 1
+        _write(api, hot)
+        _same(api, cache)
+        assert cache.jobs[queued[2]].priority.value == "VERY_HIGH"
+        assert cache.shows[queued[3]].reserved_nodes == ("n1",)
+
+        # a subtransaction: a savepoint's write committed with its parent, one rolled back
+        def savepoints(s):  # noqa: ANN001
+            with s.begin_nested():
+                s.execute(update(Job).where(Job.id == queued[4]).values(suspensions=7))
+            nested = s.begin_nested()
+            s.execute(update(Job).where(Job.id == queued[5]).values(suspensions=9))
+            nested.rollback()
+        _write(api, savepoints)
+        _same(api, cache)
+        assert cache.jobs[queued[4]].suspensions == 7 and cache.jobs[queued[5]].suspensions == 0
+
+        # a row lock (FOR UPDATE sets xmax, not xmin) changes nothing to read; a frozen table neither
+        _write(api, lambda s: s.execute(text("SELECT id FROM jobs WHERE id = :i FOR UPDATE"), {"i": queued[6]}))
+        assert _same(api, cache) == 0
+        with api.platform.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            c.execute(text("VACUUM (FREEZE) jobs"))
+        assert _same(api, cache) == 0
+
+        late = [api.submit(gpus_per_node=1, name=f"late{i}")["id"] for i in range(3)]
+        assert _same(api, cache) == 3
+        third = _cycle(api, loop, lease)
+        assert set(late) <= set(third.considered)
+        _same(api, cache)
+
+        # a queued row deleted (nothing in the platform deletes jobs; the count check notices)
+        reads = cache.full_reads
+        victim = next(j for j in cache.jobs if j not in late)
+        _write(api, lambda s: s.execute(delete(Job).where(Job.id == victim)))
+        _same(api, cache)
+        assert cache.full_reads == reads + 1 and victim not in cache.jobs
+
+
+def _open_across_a_read(api, cache, loop, lease):  # noqa: ANN001, ANN202
+    """Transactions that write, stay open while the cache and a cycle read, and commit after:
+    an update of a queued job, an insert, and one that takes a job out of the queue; a later
+    transaction commits before the read."""
+    ids = sorted(cache.jobs)
+    a, commit_a = _open(api, "UPDATE jobs SET priority = 'VERY_HIGH' WHERE id = :i", i=ids[0])
+    b, commit_b = _open(api, "UPDATE jobs SET state = 'CANCELLED' WHERE id = :i", i=ids[1])
+    c, commit_c = _open(api, "INSERT INTO jobs SELECT (jsonb_populate_record(NULL::jobs, to_jsonb(j) || jsonb_build_object("
+                        "'id', nextval(pg_get_serial_sequence('jobs', 'id')), 'name', 'copy'))).* FROM jobs j WHERE id = :i",
+                        i=ids[2])
+    # a transaction begun after them commits first (a submission): its id, larger than theirs, is
+    # below the read's xmax and among the rows it sees
+    api.submit(gpus_per_node=8, name="after", priority="LOW")
+    try:
+        _snapshot(api, cache)  # reads, and moves its horizon, while the three are open
+        loop.cycle_once(lease)
+    finally:
+        commit_a(), commit_b(), commit_c()
+    return ids
+
+
+def test_a_write_open_across_a_read_and_committed_after_it_is_read_next_time(api):
+    api.register_node("n0")
+    for i in range(6):
+        api.submit(gpus_per_node=8, name=f"j{i}", priority="LOW")  # one starts, five wait
+    cache = scheduling.QueueCache()
+    loop = SchedulerLoop(api.platform)
+    _same(api, cache)
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        loop.cycle_once(lease)
+        _same(api, cache)
+        reads = cache.full_reads
+        ids = _open_across_a_read(api, cache, loop, lease)
+        _same(api, cache)  # the three commits are in the cache
+        assert cache.full_reads == reads  # found by the horizon, not by the count check
+        assert cache.jobs[ids[0]].priority.value == "VERY_HIGH" and ids[1] not in cache.jobs
+        expected = tuple(q.id for q in _snapshot(api)[0].queued)
+        assert loop.cycle_once(lease).considered == expected
+
+
+def test_a_marker_of_the_newest_transaction_seen_misses_that_write(api, monkeypatch):
+    """The negative control: the same sequence with the horizon taken as the snapshot's xmax (the
+    next transaction id, "everything before it was read") leaves the cache stale."""
+    api.register_node("n0")
+    for i in range(6):
+        api.submit(gpus_per_node=8, name=f"j{i}", priority="LOW")
+    monkeypatch.setattr(scheduling, "PG_HORIZON", "pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+    cache = scheduling.QueueCache()
+    loop = SchedulerLoop(api.platform)
+    _same(api, cache)
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        loop.cycle_once(lease)
+        _same(api, cache)
+        _open_across_a_read(api, cache, loop, lease)
+        full, _ = _snapshot(api)
+        stale, _ = _snapshot(api, cache)
+        assert stale.queued != full.queued
+
+
+def test_a_horizon_too_many_transactions_old_makes_a_full_read(api):
+    """Past PG_HORIZON_MAX_AGE transactions the 32-bit xmin comparison is no longer trusted."""
+    api.register_node("n0")
+    for i in range(3):
+        api.submit(gpus_per_node=8, name=f"j{i}")
+    cache = scheduling.QueueCache()
+    _same(api, cache)
+    assert _same(api, cache) == 0 and cache.full_reads == 1
+    cache.mark -= scheduling.PG_HORIZON_MAX_AGE + 1  # as if ~1e9 transactions had run since
+    rows = _same(api, cache)
+    assert cache.full_reads == 2 and rows == len(cache.jobs) == 3
+    assert _same(api, cache) == 0 and cache.full_reads == 2  # a fresh horizon again
