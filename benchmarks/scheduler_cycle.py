@@ -122,6 +122,14 @@ def build_snapshot(nodes: int, running: int, queued: int, seed: int) -> Snapshot
     return Snapshot(node_views, tuple(run_jobs), tuple(queue), tuple(quotas), usage)
 
 
+def with_attained_service(snap: Snapshot, seed: int) -> Snapshot:
+    """The queued jobs with attained service from earlier attempts (``--settings``): a seeded
+    draw, 60% none, the rest log-uniform from 100 to 10^7 GPU-seconds."""
+    rng = random.Random(seed + 1)
+    att = [0.0 if rng.random() < 0.6 else 10 ** rng.uniform(2, 7) for _ in snap.queued]
+    return replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, att)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1250)
@@ -138,9 +146,7 @@ def main() -> None:
     policy = Policy()
     if args.settings:
         policy = get_settings().scheduler.policy()
-        rng = random.Random(args.seed + 1)
-        att = [0.0 if rng.random() < 0.6 else 10 ** rng.uniform(2, 7) for _ in snap.queued]
-        snap = replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, att)))
+        snap = with_attained_service(snap, args.seed)
     times = []
     d = None
     for _ in range(args.repeat):
