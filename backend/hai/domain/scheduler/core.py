@@ -117,9 +117,9 @@ def _levels(
     keys: list = list(map(id, map(_BY_PRIORITY, queued)))
     if classes is not None:
         keys = list(zip(keys, classes))
-    if queued and keys.count(keys[0]) == len(keys):  # one part: the common case without classes
+    elif queued and keys.count(keys[0]) == len(keys):  # one priority: the common case without classes
         parts[keys[0]] = list(queued)
-    else:
+    if not parts:
         for k, j in zip(keys, queued):
             lst = parts.get(k)
             if lst is None:
