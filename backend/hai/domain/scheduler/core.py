@@ -114,12 +114,19 @@ def _levels(
     same order as bucketing each sorted level by class. Also returns, per rank, the level's
     classes in order with their job counts ([(class, jobs)]; empty without classes)."""
     parts: dict = {}  # id(priority), or (id(priority), class) -> jobs
-    keys: list = list(map(id, map(_BY_PRIORITY, queued)))
-    if classes is not None:
-        keys = list(zip(keys, classes))
+    keys = list(map(id, map(_BY_PRIORITY, queued)))
+    if classes is not None:  # one list per class under each priority (no tuple key per job)
+        nc = max(classes, default=0) + 1
+        by_pid: dict[int, list[list[QueuedJob]]] = {}
+        for k, c, j in zip(keys, classes, queued):
+            b = by_pid.get(k)
+            if b is None:
+                b = by_pid[k] = [[] for _ in range(nc)]
+            b[c].append(j)
+        parts = {(k, c): lst for k, b in by_pid.items() for c, lst in enumerate(b) if lst}
     elif queued and keys.count(keys[0]) == len(keys):  # one priority: the common case without classes
         parts[keys[0]] = list(queued)
-    if not parts:
+    else:
         for k, j in zip(keys, queued):
             lst = parts.get(k)
             if lst is None:
