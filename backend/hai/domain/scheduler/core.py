@@ -753,7 +753,7 @@ class _Cycle:
                 if self.facts.could_preempt(first, True):
                     for reason, _e, lst in byshape.values():
                         got = reason + self._note(lst[0], True, True)
-                        pend.update(dict.fromkeys([j.id for j in lst], got))
+                        pend.update(dict.fromkeys(map(_BY_ID, lst), got))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
