@@ -115,15 +115,13 @@ class RunningTable:
         got = self._singles
         if got is None:
             flat = []
-            jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
-            for i in self.members:
-                if not min_ok[i]:
-                    continue
-                jid = jobs[i].id
-                for o in self.nodes_of[i]:
-                    for hi, g in holders[o]:
-                        if hi == i:
-                            flat.append((lost[i], g, o, jid, i))
+            jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
+            # node by node (each (job, node) pair once; the sort fixes the order: no two pairs
+            # are equal, they differ by node or job)
+            for o, hs in enumerate(self.holders):
+                for i, g in hs:
+                    if min_ok[i]:
+                        flat.append((lost[i], g, o, jobs[i].id, i))
             flat.sort()
             got = {}
             for e in flat:
