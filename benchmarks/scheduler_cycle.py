@@ -14,6 +14,10 @@ Also times placing ``--burst`` (5,000) newly submitted 1-GPU jobs into an empty 
 same size (10,000 GPUs at 1,250 nodes). Prints ``median_ms``, ``p99_ms``, ``peak_rss_mb`` and
 the burst numbers.
 
+``--hash``: also the sha256 of the cycle's whole output (``decision_hash.digest``: starts,
+suspensions, demotions, reservations and every pending reason, in order), to show that a change
+of the scheduler's code changed no decision on this snapshot.
+
 ``--settings``: the policy from the ``HAI_SCHEDULER__*`` settings instead of the defaults (e.g.
 least attained service, issue 16); the queued jobs then carry attained service from earlier
 attempts (a seeded draw: 60% none, the rest log-uniform up to 10^7 GPU-seconds), so the queue
@@ -140,6 +144,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--settings", action="store_true", help="the policy from HAI_SCHEDULER__* (default: Policy())")
+    ap.add_argument("--hash", action="store_true", help="also print the sha256 of the cycle's whole output (decision_hash.digest)")
     args = ap.parse_args()
 
     snap = build_snapshot(args.nodes, args.running, args.queued, args.seed)
@@ -186,6 +191,10 @@ def main() -> None:
         "burst_ms": round(statistics.median(burst_times), 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if args.hash:  # starts, suspensions, demotions, reservations, every pending reason, in order
+        from decision_hash import digest
+
+        out["decisions_sha256"] = digest(d)
     if args.json:
         print(json.dumps(out))
     else:
