@@ -118,11 +118,16 @@ def _levels(
     if classes is not None:  # one list per class under each priority (no tuple key per job)
         nc = max(classes, default=0) + 1
         by_pid: dict[int, list[list[QueuedJob]]] = {}
-        for k, c, j in zip(keys, classes, queued):
-            b = by_pid.get(k)
-            if b is None:
-                b = by_pid[k] = [[] for _ in range(nc)]
-            b[c].append(j)
+        if queued and keys.count(keys[0]) == len(keys):  # one priority: the common case
+            b = by_pid[keys[0]] = [[] for _ in range(nc)]
+            for c, j in zip(classes, queued):
+                b[c].append(j)
+        else:
+            for k, c, j in zip(keys, classes, queued):
+                b = by_pid.get(k)
+                if b is None:
+                    b = by_pid[k] = [[] for _ in range(nc)]
+                b[c].append(j)
         parts = {(k, c): lst for k, b in by_pid.items() for c, lst in enumerate(b) if lst}
     elif queued and keys.count(keys[0]) == len(keys):  # one priority: the common case without classes
         parts[keys[0]] = list(queued)
@@ -326,7 +331,7 @@ class _Cycle:
                         continue
                 # 4b. least attained service: suspend jobs of its priority with more attained service
                 if self.classes and n == 1 and not deferred and pol.preemption and self.plans_applied < cap:
-                    if self._las_preempt(job, rank):
+                    if self._las_preempt(job, rank, c):
                         continue
                 # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
                 if ts_on and not deferred and job.queued_at <= ts_since:
@@ -637,12 +642,11 @@ class _Cycle:
             self._las_nodes = nodes
         return self._las_nodes
 
-    def _las_preempt(self, job: QueuedJob, rank: int) -> bool:
-        """A one-node waiting job in service class c: the node where suspending jobs of its
-        priority in classes above c (with the free GPUs) makes room and loses the least GPU-time;
-        suspend them and reserve the node. False: no such node."""
+    def _las_preempt(self, job: QueuedJob, rank: int, wcls: int) -> bool:
+        """A one-node waiting job in service class ``wcls``: the node where suspending jobs of its
+        priority in classes above ``wcls`` (with the free GPUs) makes room and loses the least
+        GPU-time; suspend them and reserve the node. False: no such node."""
         g = job.gpus_per_node
-        wcls = self._class_of(job)
         fkey = (rank, wcls)
         failed = self._las_fail.get(fkey)
         if failed is not None and g >= failed:
