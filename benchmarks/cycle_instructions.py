@@ -8,6 +8,13 @@ is the one of ``scheduler_cycle.py`` (1,250 nodes, 2,000 running, 10,000 queued,
 runs under ``valgrind --tool=callgrind``, one building the snapshot and running 1 cycle, one
 running 3: the difference over 2 is the count of one cycle (the build, the imports and the
 interpreter's start cancel out). Prints one JSON object.
+
+``--settings``: as ``scheduler_cycle.py --settings``, the policy from the ``HAI_SCHEDULER__*``
+settings and the queued jobs with attained service (e.g. the recommended least-attained-service
+classes of issue 16):
+
+    HAI_SCHEDULER__SERVICE_CLASSES_GPU_S='[1000,3250,10000,32500,100000,325000,1000000,3250000]' \
+    HAI_SCHEDULER__SERVICE_CHECKPOINT_SLACK_S=30 python benchmarks/cycle_instructions.py --settings
 """
 
 from __future__ import annotations
@@ -24,25 +31,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-def _inner(cycles: int) -> None:
+def _inner(cycles: int, settings: bool) -> None:
     sys.path.insert(0, str(ROOT.parent / "backend"))
     sys.path.insert(0, str(ROOT))
-    from scheduler_cycle import NOW, build_snapshot
+    from scheduler_cycle import NOW, build_snapshot, with_attained_service
 
     from hai.domain.scheduler import Policy, schedule
+    from hai.settings import get_settings
 
     snap = build_snapshot(1250, 2000, 10000, 0)
     policy = Policy()
+    if settings:
+        policy = get_settings().scheduler.policy()
+        snap = with_attained_service(snap, 0)
     for _ in range(cycles):
         schedule(snap, policy, NOW)
 
 
-def _count(cycles: int) -> int:
+def _count(cycles: int, settings: bool) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cg.out")
         subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
-             "--inner", str(cycles)],
+             "--inner", str(cycles), *(["--settings"] if settings else [])],
             check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"},
         )  # fmt: skip
         text = Path(out).read_text()
@@ -54,12 +65,14 @@ def _count(cycles: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--settings", action="store_true", help="the policy from HAI_SCHEDULER__* (default: Policy())")
     args = ap.parse_args()
     if args.inner is not None:
-        _inner(args.inner)
+        _inner(args.inner, args.settings)
         return
-    one, three = _count(1), _count(3)
-    print(json.dumps({"instructions_per_cycle": (three - one) // 2, "run_1_cycle": one, "run_3_cycles": three}))
+    one, three = _count(1, args.settings), _count(3, args.settings)
+    out = {"instructions_per_cycle": (three - one) // 2, "run_1_cycle": one, "run_3_cycles": three}
+    print(json.dumps({"policy": "settings" if args.settings else "default", **out}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ Also times placing ``--burst`` (5,000) newly submitted 1-GPU jobs into an empty 
 same size (10,000 GPUs at 1,250 nodes). Prints ``median_ms``, ``p99_ms``, ``peak_rss_mb`` and
 the burst numbers.
 
+``--hash``: also the sha256 of the cycle's whole output (``decision_hash.digest``: starts,
+suspensions, demotions, reservations and every pending reason, in order), to show that a change
+of the scheduler's code changed no decision on this snapshot.
+
 ``--settings``: the policy from the ``HAI_SCHEDULER__*`` settings instead of the defaults (e.g.
 least attained service, issue 16); the queued jobs then carry attained service from earlier
 attempts (a seeded draw: 60% none, the rest log-uniform up to 10^7 GPU-seconds), so the queue
@@ -122,6 +126,14 @@ def build_snapshot(nodes: int, running: int, queued: int, seed: int) -> Snapshot
     return Snapshot(node_views, tuple(run_jobs), tuple(queue), tuple(quotas), usage)
 
 
+def with_attained_service(snap: Snapshot, seed: int) -> Snapshot:
+    """The queued jobs with attained service from earlier attempts (``--settings``): a seeded
+    draw, 60% none, the rest log-uniform from 100 to 10^7 GPU-seconds."""
+    rng = random.Random(seed + 1)
+    att = [0.0 if rng.random() < 0.6 else 10 ** rng.uniform(2, 7) for _ in snap.queued]
+    return replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, att)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1250)
@@ -132,15 +144,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--settings", action="store_true", help="the policy from HAI_SCHEDULER__* (default: Policy())")
+    ap.add_argument("--hash", action="store_true", help="also print the sha256 of the cycle's whole output (decision_hash.digest)")
     args = ap.parse_args()
 
     snap = build_snapshot(args.nodes, args.running, args.queued, args.seed)
     policy = Policy()
     if args.settings:
         policy = get_settings().scheduler.policy()
-        rng = random.Random(args.seed + 1)
-        att = [0.0 if rng.random() < 0.6 else 10 ** rng.uniform(2, 7) for _ in snap.queued]
-        snap = replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, att)))
+        snap = with_attained_service(snap, args.seed)
     times = []
     d = None
     for _ in range(args.repeat):
@@ -180,6 +191,10 @@ def main() -> None:
         "burst_ms": round(statistics.median(burst_times), 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if args.hash:  # starts, suspensions, demotions, reservations, every pending reason, in order
+        from decision_hash import digest
+
+        out["decisions_sha256"] = digest(d)
     if args.json:
         print(json.dumps(out))
     else:

@@ -99,35 +99,75 @@ def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
 schedule.starts_every_fit = True  # type: ignore[attr-defined]
 
 
-def _levels(queued: tuple[QueuedJob, ...]) -> tuple[list[tuple[int, list[QueuedJob]]], list[QueuedJob]]:
-    """(rank, jobs) by priority level, high first, FIFO by first submission inside a level; and
-    the whole queue in that order. (Two stable sorts with plain keys: faster than one sort on
-    tuples.) The queue is split by priority in the snapshot's own order first and each part
-    sorted after: every pass over 100,000 jobs then reads them in the order they lie in memory
-    (a pass in FIFO order reads them scattered), the same result as sorting the whole queue
-    and splitting it."""
-    by_prio: dict[int, list[QueuedJob]] = {}  # id(priority) -> jobs
-    pids = list(map(id, map(_BY_PRIORITY, queued)))
-    if queued and pids.count(pids[0]) == len(pids):  # one priority: the common case
-        by_prio[pids[0]] = list(queued)
+def _levels(
+    queued: tuple[QueuedJob, ...], classes: list[int] | None = None
+) -> tuple[list[tuple[int, list[QueuedJob]]], dict[int, list[tuple[int, int]]]]:
+    """(rank, jobs) by priority level, high first, FIFO by first submission inside a level.
+    (Two stable sorts with plain keys: faster than one sort on tuples.) The queue is split by
+    priority in the snapshot's own order first and each part sorted after: every pass over
+    100,000 jobs then reads them in the order they lie in memory (a pass in FIFO order reads
+    them scattered), the same result as sorting the whole queue and splitting it.
+
+    ``classes``: under least attained service, each job's service class (in the snapshot's
+    order); each level is then ordered by class (least attained service first), FIFO within a
+    class: the queue is split by (priority, class) in the same pass and each part sorted, the
+    same order as bucketing each sorted level by class. Also returns, per rank, the level's
+    classes in order with their job counts ([(class, jobs)]; empty without classes)."""
+    parts: dict = {}  # id(priority), or (id(priority), class) -> jobs
+    keys = list(map(id, map(_BY_PRIORITY, queued)))
+    if classes is not None:  # one list per class under each priority (no tuple key per job)
+        nc = max(classes, default=0) + 1
+        by_pid: dict[int, list[list[QueuedJob]]] = {}
+        if queued and keys.count(keys[0]) == len(keys):  # one priority: the common case
+            b = by_pid[keys[0]] = [[] for _ in range(nc)]
+            for c, j in zip(classes, queued):
+                b[c].append(j)
+        else:
+            for k, c, j in zip(keys, classes, queued):
+                b = by_pid.get(k)
+                if b is None:
+                    b = by_pid[k] = [[] for _ in range(nc)]
+                b[c].append(j)
+        parts = {(k, c): lst for k, b in by_pid.items() for c, lst in enumerate(b) if lst}
+    elif queued and keys.count(keys[0]) == len(keys):  # one priority: the common case without classes
+        parts[keys[0]] = list(queued)
     else:
-        for k, j in zip(pids, queued):
-            lst = by_prio.get(k)
+        for k, j in zip(keys, queued):
+            lst = parts.get(k)
             if lst is None:
-                lst = by_prio[k] = []
+                lst = parts[k] = []
             lst.append(j)
-    for lst in by_prio.values():
+    for lst in parts.values():
         lst.sort(key=_BY_ID)
         lst.sort(key=_BY_SUBMIT)
-    by_level: dict[int, list[QueuedJob]] = {}
-    for lst in by_prio.values():
-        by_level.setdefault(_rank(lst[0].priority), []).extend(lst)
-    if len(by_prio) != len(by_level):  # the same priority as distinct objects: re-sort the merged levels
-        for lst in by_level.values():
-            lst.sort(key=_BY_ID)
-            lst.sort(key=_BY_SUBMIT)
-    levels = [(r, by_level[r]) for r in sorted(by_level, reverse=True)]
-    return levels, (list(levels[0][1]) if len(levels) == 1 else list(chain.from_iterable(js for _, js in levels)))
+    by_level: dict[int, dict[int, list[QueuedJob]]] = {}  # rank -> class -> jobs
+    merged = 0
+    if classes is None:
+        for lst in parts.values():
+            got = by_level.setdefault(_rank(lst[0].priority), {})
+            merged += 0 in got
+            got.setdefault(0, []).extend(lst)
+    else:
+        for (_pid, c), lst in parts.items():
+            got = by_level.setdefault(_rank(lst[0].priority), {})
+            merged += c in got
+            got.setdefault(c, []).extend(lst)
+    if merged:  # the same priority as distinct objects: re-sort the merged parts
+        for got in by_level.values():
+            for lst in got.values():
+                lst.sort(key=_BY_ID)
+                lst.sort(key=_BY_SUBMIT)
+    levels: list[tuple[int, list[QueuedJob]]] = []
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for r in sorted(by_level, reverse=True):
+        got = by_level[r]
+        if classes is None:
+            levels.append((r, got[0]))
+            continue
+        order = sorted(got)
+        levels.append((r, got[order[0]] if len(order) == 1 else list(chain.from_iterable(got[c] for c in order))))
+        runs[r] = [(c, len(got[c])) for c in order]
+    return levels, runs
 
 
 def service_class(policy: Policy, attained_gpu_s: float, gpus: int, waited_s: float) -> int:
@@ -158,11 +198,13 @@ class _Cycle:
         self.snap, self.policy, self.now = snapshot, policy, now
         self.decisions = Decisions()
         # 1. queue heads
-        self.levels, self.queue = _levels(snapshot.queued)
         self.classes = policy.service_classes_gpu_s
-        self._cls: dict[int, int] = {}  # queued job id -> service class (least attained service on)
-        if self.classes and self.levels:
-            self._order_by_service()
+        self._ahead: dict[int, dict[int, int]] = {}  # rank -> class -> jobs of the level in lower classes
+        self._runs: dict[int, list[tuple[int, int]]] = {}  # rank -> [(class, jobs)] in queue order
+        if self.classes and snapshot.queued:
+            self.levels = self._order_by_service()
+        else:
+            self.levels = _levels(snapshot.queued)[0]
         # 2. the snapshot's state, each part with its owner
         self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
         self.facts = VictimFacts(snapshot, policy, now, self.index, self.levels[0][0] if self.levels else -1)
@@ -185,8 +227,8 @@ class _Cycle:
         order (one pass over the jobs as they lie in memory), then ordered by the queue's key
         (level high first, service class, first submission, id)."""
         got = list(filter(_RESERVED, self.snap.queued))
-        cls = self._cls
-        got.sort(key=lambda j: (-_rank(j.priority), cls.get(j.id, 0), j.first_submitted_at, j.id))
+        cls = self._class_of if self.classes else lambda j: 0
+        got.sort(key=lambda j: (-_rank(j.priority), cls(j), j.first_submitted_at, j.id))
         return got
 
     def run(self) -> Decisions:
@@ -217,9 +259,10 @@ class _Cycle:
         cap = pol.max_preemptions_per_cycle
         mpr = self.facts.min_preemptible_rank
         prio_possible = pol.preemption and mpr is not None and mpr < rank
+        ahead = self._ahead.get(rank, {})
         waiters = _Waiters()
         groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
-        final: dict[tuple[str, bool], str] = {}  # (placement failure, deferred) -> pending reason
+        final: dict[tuple[str, bool, int], str] = {}  # (placement failure, deferred, class) -> pending reason
         # The fast lane: a plain job all of whose rungs were answered from the memos, without
         # changing anything, leaves (its pending reason, the time-sharing group it joined) under
         # its lane key; the next plain job of that key gets the same outcome in O(1), as long as
@@ -236,8 +279,10 @@ class _Cycle:
         if lane_on:
             keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
             if self.classes:
-                keys = zip(keys, map(self._cls.__getitem__, map(_BY_ID, jobs)))
-        for job, key in zip(jobs, keys):
+                keys = zip(keys, self._class_stream(rank))
+        # each job's service class, from the level's runs of classes (0 without classes)
+        classes: Iterable = self._class_stream(rank) if self.classes else repeat(0)
+        for job, key, c in zip(jobs, keys, classes):
             jid = job.id
             hit = lane_get(key)
             if hit is not None and not ((owned and jid in owned) or (pt and jid in pt)):
@@ -286,7 +331,7 @@ class _Cycle:
                         continue
                 # 4b. least attained service: suspend jobs of its priority with more attained service
                 if self.classes and n == 1 and not deferred and pol.preemption and self.plans_applied < cap:
-                    if self._las_preempt(job, rank):
+                    if self._las_preempt(job, rank, c):
                         continue
                 # 5. waited past the threshold -> a time-sharing candidate (step 4 of the cycle)
                 if ts_on and not deferred and job.queued_at <= ts_since:
@@ -305,15 +350,15 @@ class _Cycle:
                         pend[jid] = reason
                     continue
                 # 6. waiting, with the placement failure and what preemption could not do
-                behind = self._behind(rank, jid) if self.classes else 0
-                fkey = (reason, deferred, behind, self._cls.get(jid, 0))
+                fkey = (reason, deferred, c)
                 got = final.get(fkey)
                 if got is None:
                     got = reason + self._note(job, False, deferred)
+                    behind = ahead.get(c, 0)  # jobs of its level in lower service classes
                     if behind:
                         got += f"; waits behind {behind} job(s) with less attained service"
                     if self.classes:
-                        got += self._class_note(self._cls[jid])
+                        got += self._class_note(c)
                     final[fkey] = got  # the whole sentence: every job of this key reads the same
                 pend[jid] = got
                 if not plain:
@@ -517,32 +562,37 @@ class _Cycle:
         d.pending_reasons[job.id] = waiting_for_checkpoints(plan.waiting_on, names)
 
     # -- least attained service within a level ----------------------------------------------------
-    def _order_by_service(self) -> None:
-        """Each level by service class (least attained service first), FIFO within a class
-        (one bucket per class, filled in the level's FIFO order)."""
-        cls = self._cls
-        th, now, pol = self.classes, self.now, self.policy
-        starving = pol.starvation_factor > 0
-        self._ahead: dict[int, dict[int, int]] = {}
-        for rank_, jobs in self.levels:
-            ids = list(map(_BY_ID, jobs))
-            if starving:
-                cs = [service_class(pol, j.attained_gpu_s, j.gpu_count, now - j.queued_at) for j in jobs]
-            else:
-                cs = [bisect_right(th, a) for a in map(_ATTAINED, jobs)]
-            cls.update(zip(ids, cs))
-            buckets: list[list[QueuedJob]] = [[] for _ in range(len(th) + 1)]
-            for j, c in zip(jobs, cs):
-                buckets[c].append(j)
+    def _order_by_service(self) -> list[tuple[int, list[QueuedJob]]]:
+        """The levels, each by service class (least attained service first), FIFO within a
+        class. The classes are computed in the snapshot's order (one pass over the jobs as they
+        lie in memory) and the queue split by (priority, class) before sorting (``_levels``)."""
+        queued, th, now, pol = self.snap.queued, self.classes, self.now, self.policy
+        if pol.starvation_factor > 0:
+            cs = [service_class(pol, j.attained_gpu_s, j.gpu_count, now - j.queued_at) for j in queued]
+        else:  # most waiting jobs have attained nothing yet: one bisection serves them all
+            zero = bisect_right(th, 0.0)
+            cs = [bisect_right(th, a) if a else zero for a in map(_ATTAINED, queued)]
+        levels, self._runs = _levels(queued, cs)
+        for rank_, runs in self._runs.items():
             ahead: dict[int, int] = {}
             pos = 0
-            for c, b in enumerate(buckets):
-                if b:
-                    ahead[c] = pos
-                    pos += len(b)
-            jobs[:] = chain.from_iterable(buckets)
+            for c, k in runs:
+                ahead[c] = pos
+                pos += k
             self._ahead[rank_] = ahead
-        self.queue = [j for _, js in self.levels for j in js]
+        return levels
+
+    def _class_of(self, job: QueuedJob) -> int:
+        """A queued job's service class (as ``_order_by_service`` computed it)."""
+        pol = self.policy
+        if pol.starvation_factor > 0:
+            return service_class(pol, job.attained_gpu_s, job.gpu_count, self.now - job.queued_at)
+        return bisect_right(self.classes, job.attained_gpu_s)
+
+    def _class_stream(self, rank: int) -> Iterable[int]:
+        """The service class of each job of a level, in queue order (the level is ordered by
+        class: runs of equal classes)."""
+        return chain.from_iterable(repeat(c, k) for c, k in self._runs[rank])
 
     def _class_note(self, c: int) -> str:
         """Where least attained service put the job: its class, and the GPU-time after which it
@@ -550,10 +600,6 @@ class _Cycle:
         if c == 0:
             return " (service class 0: least attained service)"
         return f" (service class {c}: demoted after {self.classes[c - 1] / 3600:.1f} GPU-hours of attained service)"
-
-    def _behind(self, rank: int, jid: int) -> int:
-        """Jobs of its level in lower service classes (ahead of it in the queue)."""
-        return self._ahead.get(rank, {}).get(self._cls.get(jid, 0), 0)
 
     def _las_victims(self) -> dict[int, list[tuple]]:
         """Per node: one-node running jobs past their minimum runtime in a service class above
@@ -596,12 +642,11 @@ class _Cycle:
             self._las_nodes = nodes
         return self._las_nodes
 
-    def _las_preempt(self, job: QueuedJob, rank: int) -> bool:
-        """A one-node waiting job in service class c: the node where suspending jobs of its
-        priority in classes above c (with the free GPUs) makes room and loses the least GPU-time;
-        suspend them and reserve the node. False: no such node."""
+    def _las_preempt(self, job: QueuedJob, rank: int, wcls: int) -> bool:
+        """A one-node waiting job in service class ``wcls``: the node where suspending jobs of its
+        priority in classes above ``wcls`` (with the free GPUs) makes room and loses the least
+        GPU-time; suspend them and reserve the node. False: no such node."""
         g = job.gpus_per_node
-        wcls = self._cls.get(job.id, 0)
         fkey = (rank, wcls)
         failed = self._las_fail.get(fkey)
         if failed is not None and g >= failed:
@@ -712,7 +757,7 @@ class _Cycle:
                 if self.facts.could_preempt(first, True):
                     for reason, _e, lst in byshape.values():
                         got = reason + self._note(lst[0], True, True)
-                        pend.update(dict.fromkeys([j.id for j in lst], got))
+                        pend.update(dict.fromkeys(map(_BY_ID, lst), got))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):

@@ -225,6 +225,7 @@ class _Candidates(NamedTuple):
     need_of: dict[int, tuple[int, ...] | list[int]]  # node -> the victims that free it
     lost_of: dict[int, float]  # node -> their lost GPU-seconds (when known up front)
     waits_of: dict[int, list[int]]  # node -> jobs already suspending for the waiting job there
+    potential: dict[int, int]  # leaf -> how many of its nodes could be freed (free now or need_of)
 
 
 def plan_multi(
@@ -293,11 +294,14 @@ def _classified_candidates(
     free_now: list[int] = []
     need_of: dict[int, tuple[int, ...] | list[int]] = {}
     lost_of: dict[int, float] = {}
+    potential: dict[int, int] = {}
     slots = index.slots
     for o in zone.idle:
         slot = slots[o]
         if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
             free_now.append(o)
+            li = slot.leaf_ix
+            potential[li] = potential.get(li, 0) + 1
     held, chosen = table.held, table.chosen
     for o, blockers, lost_sum, top, top_young in zone.freeable:
         if top >= rank and not (time_sharing and top == rank and top_young < rank):
@@ -312,7 +316,9 @@ def _classified_candidates(
             if usable(slot):
                 need_of[o] = blockers
                 lost_of[o] = lost_sum
-    return _Candidates(free_now, need_of, lost_of, {})
+                li = slot.leaf_ix
+                potential[li] = potential.get(li, 0) + 1
+    return _Candidates(free_now, need_of, lost_of, {}, potential)
 
 
 def _scanned_candidates(
@@ -328,6 +334,7 @@ def _scanned_candidates(
     free_now: list[int] = []
     need_of: dict[int, tuple[int, ...] | list[int]] = {}
     waits_of: dict[int, list[int]] = {}
+    potential: dict[int, int] = {}  # leaf -> nodes in free_now or need_of
     holders = table.holders
     for slot in zone_slots:
         if slot.gpus < gpus_per_node:
@@ -336,6 +343,7 @@ def _scanned_candidates(
         if not hs:
             if len(slot.free) == slot.gpus and usable(slot):
                 free_now.append(slot.ord)
+                potential[slot.leaf_ix] = potential.get(slot.leaf_ix, 0) + 1
             continue
         if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
             continue  # GPUs held by something the snapshot does not show: cannot be freed
@@ -356,20 +364,9 @@ def _scanned_candidates(
             need_of[slot.ord] = needed
         else:
             free_now.append(slot.ord)
+        potential[slot.leaf_ix] = potential.get(slot.leaf_ix, 0) + 1
         waits_of[slot.ord] = waits
-    return _Candidates(free_now, need_of, {}, waits_of)
-
-
-def _leaf_potential(cand: _Candidates, index: FreeIndex) -> dict[int, int]:
-    """Per leaf: how many of its nodes could be freed for the waiting job."""
-    potential: dict[int, int] = {}
-    for o in cand.free_now:
-        li = index.slots[o].leaf_ix
-        potential[li] = potential.get(li, 0) + 1
-    for o in cand.need_of:
-        li = index.slots[o].leaf_ix
-        potential[li] = potential.get(li, 0) + 1
-    return potential
+    return _Candidates(free_now, need_of, {}, waits_of, potential)
 
 
 def _free_greedily(cand: _Candidates, index: FreeIndex, table: RunningTable, nodes: int) -> list[int] | None:
@@ -380,10 +377,15 @@ def _free_greedily(cand: _Candidates, index: FreeIndex, table: RunningTable, nod
     if len(freed) >= nodes:
         return freed
     need_of, lost_of, lost = cand.need_of, cand.lost_of, table.lost
-    potential = _leaf_potential(cand, index)
-    remaining = {o: len(v) for o, v in need_of.items()}
-    rem_lost = {o: (lost_of[o] if o in lost_of else sum(lost[i] for i in v)) for o, v in need_of.items()}
-    heap = [(remaining[o], rem_lost[o], -potential[index.slots[o].leaf_ix], o) for o in sorted(need_of)]
+    potential = cand.potential
+    remaining: dict[int, int] = {}
+    rem_lost: dict[int, float] = {}
+    heap = []  # every entry differs (by node), so the pops do not depend on the order built
+    slots = index.slots
+    for o, v in need_of.items():
+        k = remaining[o] = len(v)
+        lo = rem_lost[o] = lost_of[o] if o in lost_of else sum(lost[i] for i in v)
+        heap.append((k, lo, -potential[slots[o].leaf_ix], o))
     heapq.heapify(heap)
     done: dict[int, bool] = {}
     chosen_mark: dict[int, bool] = {}

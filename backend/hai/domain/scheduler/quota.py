@@ -35,7 +35,7 @@ class QuotaBook:
                 self.user_limit[ukey] = min(q.gpus, self.user_limit.get(ukey, q.gpus))
         self.enabled = bool(self.group_limit or self.user_limit)
         self.group_used: dict[tuple[str, int], int] = {}
-        self.user_used: dict[tuple[str, int, str], int] = {}
+        self.user_used: dict[tuple[str, int, str], int] = {}  # kept only when a user has a cap (read only then)
         self._memo: dict[tuple, str | None] = {}  # answers since the last charge
         # the least room left under any cap: a job needing no more GPUs than this is within
         # every quota, whatever its bucket (the common case, decided without a lookup)
@@ -57,12 +57,14 @@ class QuotaBook:
         self._memo.clear()
         key = (group, rank)
         used = self.group_used[key] = self.group_used.get(key, 0) + gpus
-        ukey = (group, rank, user)
-        uused = self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
         # only these two buckets lost room
         limit = self.group_limit.get(key)
         if limit is not None and limit - used < self.min_headroom:
             self.min_headroom = limit - used
+        if not self.user_limit:
+            return
+        ukey = (group, rank, user)
+        uused = self.user_used[ukey] = self.user_used.get(ukey, 0) + gpus
         ulimit = self.user_limit.get(ukey)
         if ulimit is not None and ulimit - uused < self.min_headroom:
             self.min_headroom = ulimit - uused
@@ -73,13 +75,15 @@ class QuotaBook:
             return
         self._memo.clear()
         gu, uu = self.group_used, self.user_used
+        users = bool(self.user_limit)
         for r, rank in zip(running, ranks, strict=True):
             allocs = r.allocations
             gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
             key = (r.group, rank)
             gu[key] = gu.get(key, 0) + gpus
-            ukey = (r.group, rank, r.user)
-            uu[ukey] = uu.get(ukey, 0) + gpus
+            if users:
+                ukey = (r.group, rank, r.user)
+                uu[ukey] = uu.get(ukey, 0) + gpus
         self.min_headroom = self._least_headroom()
 
     def blocked(self, job: QueuedJob) -> str | None:

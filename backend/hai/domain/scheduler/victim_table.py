@@ -77,6 +77,7 @@ class RunningTable:
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
+        held = [0] * len(holders)  # GPUs held on each node by the indexed jobs
         for i in members:
             j = jobs[i]
             g = 0
@@ -88,6 +89,7 @@ class RunningTable:
                 if slot is None:
                     continue
                 o = slot.ord
+                held[o] += k
                 if o in mine:  # two allocations on one node: merge
                     hs = holders[o]
                     for x, (hi, hk) in enumerate(hs):
@@ -103,8 +105,7 @@ class RunningTable:
             if j.suspend_requested_for is not None:
                 self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
-        # GPUs held on each node by the indexed jobs
-        self.held = [sum(g for _i, g in hs) for hs in holders]
+        self.held = held
 
     def singles(self) -> dict[int, list[VictimOnNode]]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
@@ -114,15 +115,13 @@ class RunningTable:
         got = self._singles
         if got is None:
             flat = []
-            jobs, min_ok, lost, holders = self.jobs, self.min_ok, self.lost, self.holders
-            for i in self.members:
-                if not min_ok[i]:
-                    continue
-                jid = jobs[i].id
-                for o in self.nodes_of[i]:
-                    for hi, g in holders[o]:
-                        if hi == i:
-                            flat.append((lost[i], g, o, jid, i))
+            jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
+            # node by node (each (job, node) pair once; the sort fixes the order: no two pairs
+            # are equal, they differ by node or job)
+            for o, hs in enumerate(self.holders):
+                for i, g in hs:
+                    if min_ok[i]:
+                        flat.append((lost[i], g, o, jobs[i].id, i))
             flat.sort()
             got = {}
             for e in flat:
