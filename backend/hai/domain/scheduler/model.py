@@ -122,6 +122,18 @@ class Policy:
     # over g GPUs is not suspended for a job with less attained service before it ran
     # max(min_runtime_s, service_quantum_factor * A / g) in this attempt (0: the minimum runtime)
     service_quantum_factor: float = 0.0
+    # the growing quantum only for jobs in this service class or above (0: every class): the
+    # long jobs of the last classes run longer stretches, the short and middle ones still give
+    # way after their minimum runtime
+    service_quantum_min_class: int = 0
+    # a running job that has waited (since its first submission, less the time it ran) at least
+    # this many times the time it ran is not suspended for a job with less attained service: a
+    # long job starved in the last classes keeps its GPUs once it gets them, until it has run
+    # enough to be within the factor again (0: off)
+    service_protect_wait_factor: float = 0.0
+    # the jobs kept by the two knobs above (a grown quantum, a long wait) are kept against
+    # time-sharing too: they do not count as past the quantum while kept
+    service_protect_time_sharing: bool = False
     # checkpoint-boundary preemption under least attained service: a running job is suspended
     # for a job with less attained service only within this many seconds after a checkpoint
     # (its last checkpoint, or its start), so it loses at most that much work; 0: any time
