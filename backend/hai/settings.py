@@ -48,6 +48,9 @@ class SchedulerSettings(BaseModel):
     service_classes_gpu_s: tuple[float, ...] = _POLICY.service_classes_gpu_s
     starvation_factor: float = Field(default=_POLICY.starvation_factor, ge=0)
     service_quantum_factor: float = Field(default=_POLICY.service_quantum_factor, ge=0)
+    service_quantum_min_class: int = Field(default=_POLICY.service_quantum_min_class, ge=0)
+    service_protect_wait_factor: float = Field(default=_POLICY.service_protect_wait_factor, ge=0)
+    service_protect_time_sharing: bool = _POLICY.service_protect_time_sharing
     service_checkpoint_slack_s: float = Field(default=_POLICY.service_checkpoint_slack_s, ge=0)
     interval_s: float = Field(default=1.0, gt=0, description="a cycle runs at least this often")
     coalesce_s: float = Field(

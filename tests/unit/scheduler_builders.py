@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hai.domain.jobs import JobState, Priority
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hai.domain.scheduler import (
     Allocation,
     NodeView,
@@ -268,7 +269,7 @@ def cluster() -> Cluster:
 
 
 def policy(**kw) -> Policy:
-    return replace(Policy(), **kw)
+    return replace(Policy(**FIFO_LEVELS), **kw)  # the FIFO levels unless a test asks for more
 
 
 def nodes_of(decisions, job_id: int) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hai.domain.scheduler import Policy, schedule
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hai.domain.scheduler.core import _Cycle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,7 +79,7 @@ def test_the_lane_groups_time_sharing_candidates_as_the_ladder_does(monkeypatch)
     for i in range(40):
         c.queue(job(f"q{i}").user("ann" if i % 3 else "bob").gpus(8 if i % 2 else 4).submitted(i).queued_at(NOW - 7200 + i))
     snap = c.snapshot()
-    pol = Policy()
+    pol = Policy(**FIFO_LEVELS)
     d = schedule(snap, pol, NOW)
     assert d.suspends  # time-sharing found victims for some of them
     assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)

@@ -136,3 +136,98 @@ def test_every_waiting_job_of_a_class_gets_the_whole_sentence():
     reasons = {d.pending_reasons[c.id_of(f"q{i}")] for i in range(3)}
     assert len(reasons) == 1
     assert reasons.pop().endswith("(service class 1: demoted after 0.3 GPU-hours of attained service)")
+
+
+@pytest.mark.parametrize(
+    "min_class, ran, suspended",
+    [
+        # resumed with 80,000 GPU-s over 8 GPUs (class 2 of 1,000 / 10,000 / 100,000): factor 0.5
+        # earns it 5,000 s of this attempt against least-attained-service suspension
+        (0, 1000, False),  # the quantum in every class (the knob's default)
+        (2, 1000, False),  # class 2 (88,000 GPU-s now) is at or above the knob's class: kept
+        (3, 1000, True),  # below class 3: the minimum runtime only, as without the factor
+        (3, 3600, False),  # 108,800 GPU-s now: class 3, within its 5,000 s
+        (3, 5100, True),  # class 3 past its grown quantum
+    ],
+)
+def test_the_grown_quantum_only_from_a_service_class_on(min_class, ran, suspended):
+    pol = policy(
+        service_classes_gpu_s=CLASSES,
+        min_runtime_s=900,
+        time_sharing=False,
+        service_quantum_factor=0.5,
+        service_quantum_min_class=min_class,
+    )
+    c = one_node().run(job("long").started(NOW - ran).attained(80_000).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+    assert [s.job_id for s in d.suspends] == ([c.id_of("long")] if suspended else [])
+
+
+@pytest.mark.parametrize(
+    "factor, age, suspended",
+    [
+        # 80,000 GPU-s attained earlier + 1 h on 8 GPUs now = 108,800 GPU-s: it ran 13,600 s in all;
+        # submitted `age` seconds ago, so it waited age - 13,600 s
+        (0, 10**6, True),  # off (the default): waiting earns nothing
+        (1, 27_200, False),  # waited 13,600 s = 1 x what it ran: kept
+        (1, 27_100, True),  # waited a little less than it ran: a victim as before
+        (2, 40_800, False),  # waited 2 x what it ran
+        (2, 40_000, True),
+    ],
+)
+def test_a_job_that_waited_long_keeps_its_gpus_against_least_attained_service(factor, age, suspended):
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, service_protect_wait_factor=factor)
+    c = one_node().run(job("long").submitted(NOW - age).started(NOW - 3600).attained(80_000).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+    assert [s.job_id for s in d.suspends] == ([c.id_of("long")] if suspended else [])
+
+
+@pytest.mark.parametrize(
+    "factor, against_ts, submitted_ago, suspended",
+    [
+        # bob's job ran 5 h on 8 GPUs (past the 4 h quantum); alice's waited 20 min (past the
+        # 15 min threshold): least attained service or, failing that, time-sharing suspends it
+        (0, False, 20 * 3600, True),  # nothing kept
+        (1, False, 20 * 3600, True),  # waited 15 h >= 1 x 5 h: kept against least attained service only
+        (1, True, 20 * 3600, False),  # ... and against time-sharing
+        (1, True, 6 * 3600, True),  # waited 1 h < 5 h: not kept
+    ],
+)
+def test_a_kept_job_is_kept_against_time_sharing_too_when_asked(factor, against_ts, submitted_ago, suspended):
+    pol = policy(
+        service_classes_gpu_s=CLASSES,
+        min_runtime_s=900,
+        service_protect_wait_factor=factor,
+        service_protect_time_sharing=against_ts,
+    )
+    c = one_node().run(job("long").submitted(NOW - submitted_ago).started(NOW - 5 * 3600).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 1200)).snapshot(), pol, NOW)
+    assert [s.job_id for s in d.suspends] == ([c.id_of("long")] if suspended else [])
+
+
+@pytest.mark.parametrize(
+    "knobs, note",
+    [
+        ({}, None),
+        (
+            {"service_protect_wait_factor": 1.0},
+            "; 1 job(s) with more attained service keep their GPUs (they waited at least 1 x the time they ran)",
+        ),
+        (
+            {"service_quantum_factor": 2.0, "service_quantum_min_class": 2, "service_protect_time_sharing": True},
+            "; 1 job(s) with more attained service keep their GPUs (a quantum of 2 x the time their attained"
+            " service took in service class 2 or above, against time-sharing too)",
+        ),
+    ],
+)
+def test_the_waiting_job_is_told_which_jobs_are_kept_and_why(knobs, note):
+    # resumed 1 h ago with 80,000 GPU-s (10,000 s on 8 GPUs), submitted 30 h ago: kept by either knob
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, **knobs)
+    c = one_node().run(job("long").submitted(NOW - 30 * 3600).started(NOW - 3600).attained(80_000).user("bob"))
+    d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
+    assert len(d.suspends) == (0 if note else 1)
+    reason = d.pending_reasons[c.id_of("short")]
+    if note is None:
+        assert "keep their GPUs" not in reason
+    else:
+        assert reason.endswith(note), reason

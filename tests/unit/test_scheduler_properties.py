@@ -9,6 +9,7 @@ while preemptible lower-priority jobs hold what it needs.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import copy
 import random
@@ -24,6 +25,7 @@ from hai.domain.scheduler import (
     Snapshot,
     schedule,
 )
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -157,6 +159,7 @@ policies = st.builds(
     preemption=st.booleans(),
     time_sharing=st.booleans(),
     max_preemptions_per_cycle=st.sampled_from([1, 32]),
+    **{k: st.just(v) for k, v in FIFO_LEVELS.items()},  # the FIFO levels: the rules checked below
 )
 
 
@@ -336,7 +339,7 @@ def contended(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snap=contended(), min_rt=st.sampled_from([0.0, 15 * 60.0]))
 def test_a_higher_priority_job_never_waits_while_preemptible_lower_priority_jobs_hold_what_it_needs(snap, min_rt):
-    pol = Policy(min_runtime_s=min_rt, time_sharing=False)
+    pol = replace(Policy(**FIFO_LEVELS), min_runtime_s=min_rt, time_sharing=False)
     top = snap.queued[0]
     d = schedule(snap, pol, NOW)
     if any(s.job_id == top.id for s in d.starts):

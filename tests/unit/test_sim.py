@@ -12,6 +12,7 @@ import typer
 from hai.cli.sim import policy_from_settings, sim, topology_app
 from hai.domain.jobs import Priority
 from hai.domain.scheduler import Allocation, Decisions, Policy, Quota, Start, schedule
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hai.domain.topology import fire_flyer, from_crux
 from hai.sim.engine import SimConfig, Simulation
 from hai.sim.fifo import FifoScheduler
@@ -81,7 +82,7 @@ def test_parse_trace_errors(text, message):
 
 
 def test_a_job_on_an_empty_cluster_runs_for_its_duration():
-    s = Simulation(one_node(), [tj(1, 5, 1000)], policy=Policy())
+    s = Simulation(one_node(), [tj(1, 5, 1000)], policy=Policy(**FIFO_LEVELS))
     m = s.run().metrics
     assert m["completed"] == 1 and m["avg_jct_s"] == 1000.0 and m["avg_queue_s"] == 0.0
     assert m["makespan_s"] == 1000.0 and m["gpu_utilization"] == 1.0
@@ -93,7 +94,7 @@ def test_suspension_loses_work_since_the_last_checkpoint_and_pays_checkpoint_and
     s = Simulation(
         one_node(),
         jobs,
-        policy=Policy(min_runtime_s=600),
+        policy=replace(Policy(**FIFO_LEVELS), min_runtime_s=600),
         config=SimConfig(checkpoint_interval_s=300, checkpoint_cost_s=10, restart_cost_s=30),
     )
     m = s.run().metrics
@@ -112,7 +113,7 @@ def test_suspension_loses_work_since_the_last_checkpoint_and_pays_checkpoint_and
 
 def test_a_job_that_would_finish_while_stopping_just_finishes():
     jobs = [tj(1, 0, 1005, prio="LOW", user="a"), tj(2, 1000, 100, prio="HIGH", user="b")]
-    s = Simulation(one_node(), jobs, policy=Policy(min_runtime_s=600), config=SimConfig(checkpoint_cost_s=10))
+    s = Simulation(one_node(), jobs, policy=replace(Policy(**FIFO_LEVELS), min_runtime_s=600), config=SimConfig(checkpoint_cost_s=10))
     m = s.run().metrics
     r = s.job_results()
     assert r[1]["end_s"] == 1005 and r[1]["suspensions"] == 0
@@ -122,7 +123,7 @@ def test_a_job_that_would_finish_while_stopping_just_finishes():
 
 def test_time_sharing_in_the_simulator():
     jobs = [tj(1, 0, 20_000, user="a"), tj(2, 10, 100, user="b")]
-    pol = Policy(quantum_s=3600, wait_threshold_s=900)
+    pol = replace(Policy(**FIFO_LEVELS), quantum_s=3600, wait_threshold_s=900)
     s = Simulation(one_node(), jobs, policy=pol, config=SimConfig(checkpoint_interval_s=300))
     s.run()
     r = s.job_results()
@@ -135,7 +136,7 @@ def test_time_sharing_in_the_simulator():
 @pytest.mark.parametrize("interval, starts", [(1.0, [1.0, 1.0]), (0.0, [0.3, 0.7])])
 def test_cycles_run_on_the_scheduler_interval_grid(interval, starts):
     jobs = [TraceJob(1, 0.3, 10.0, 1, 1, 1, Priority.NORMAL, "u", "g"), TraceJob(2, 0.7, 10.0, 1, 1, 1, Priority.NORMAL, "u", "g")]
-    s = Simulation(one_node(), jobs, policy=Policy(), config=SimConfig(cycle_interval_s=interval))
+    s = Simulation(one_node(), jobs, policy=Policy(**FIFO_LEVELS), config=SimConfig(cycle_interval_s=interval))
     m = s.run().metrics
     assert [r["first_start_s"] for r in s.job_results().values()] == starts
     assert [r["end_s"] for r in s.job_results().values()] == [x + 10.0 for x in starts]
@@ -143,14 +144,14 @@ def test_cycles_run_on_the_scheduler_interval_grid(interval, starts):
 
 
 def test_jobs_that_can_never_fit_are_rejected_not_queued_forever():
-    s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=2), [tj(1, 0, 10, gpus=24), tj(2, 0, 10)], policy=Policy())
+    s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=2), [tj(1, 0, 10, gpus=24), tj(2, 0, 10)], policy=Policy(**FIFO_LEVELS))
     m = s.run().metrics
     assert m["rejected"] == 1 and m["completed"] == 1 and m["unfinished"] == 0
 
 
 def test_metrics_have_every_key_the_issue_lists():
     jobs = [tj(i, i * 10, 100 + i, gpus=[1, 4, 16][i % 3], user=f"u{i % 3}") for i in range(1, 30)]
-    m = Simulation(fire_flyer(nodes=8, zones=2, nodes_per_leaf=2), jobs, policy=Policy()).run().metrics
+    m = Simulation(fire_flyer(nodes=8, zones=2, nodes_per_leaf=2), jobs, policy=Policy(**FIFO_LEVELS)).run().metrics
     assert ISSUE_KEYS <= set(m)
     assert m["jobs"] == 29 and m["completed"] == 29
     assert m["multi_node_jobs"] == 10
@@ -183,7 +184,7 @@ def test_skipping_idle_cycles_changes_no_decision(prios, seed):
         )
     jobs.sort(key=lambda j: (j.submit_s, j.id))
     topo = fire_flyer(nodes=6, zones=2, nodes_per_leaf=2)
-    pol = Policy(quantum_s=3600, wait_threshold_s=600, min_runtime_s=300, demote_after_s=900)
+    pol = replace(Policy(**FIFO_LEVELS), quantum_s=3600, wait_threshold_s=600, min_runtime_s=300, demote_after_s=900)
     results = []
     for skip in (False, True):
         s = Simulation(topo, jobs, policy=pol)
@@ -200,11 +201,11 @@ def test_skipping_idle_cycles_changes_no_decision(prios, seed):
 def test_the_simulation_is_deterministic():
     jobs = [tj(i, i * 7 % 50, 100 + (i * 37) % 900, gpus=[1, 2, 8, 16][i % 4], user=f"u{i % 4}") for i in range(1, 60)]
     topo = fire_flyer(nodes=8, zones=2, nodes_per_leaf=2)
-    a = Simulation(topo, jobs, policy=Policy()).run().metrics
-    b = Simulation(topo, jobs, policy=Policy()).run().metrics
+    a = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS)).run().metrics
+    b = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS)).run().metrics
     assert a == b
-    f1 = Simulation(topo, jobs, policy=Policy(), scheduler=FifoScheduler(seed=3), policy_name="fifo").run().metrics
-    f2 = Simulation(topo, jobs, policy=Policy(), scheduler=FifoScheduler(seed=3), policy_name="fifo").run().metrics
+    f1 = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS), scheduler=FifoScheduler(seed=3), policy_name="fifo").run().metrics
+    f2 = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS), scheduler=FifoScheduler(seed=3), policy_name="fifo").run().metrics
     assert f1 == f2 and f1["policy"] == "fifo"
 
 
@@ -214,9 +215,9 @@ def test_the_simulation_is_deterministic():
 def test_fifo_blocks_behind_its_head_where_hai_backfills():
     topo = fire_flyer(nodes=2, zones=1, nodes_per_leaf=2)
     jobs = [tj(1, 0, 1000), tj(2, 1, 500, gpus=16), tj(3, 2, 10, gpus=1)]
-    fifo = Simulation(topo, jobs, policy=Policy(), scheduler=FifoScheduler(), policy_name="fifo")
+    fifo = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS), scheduler=FifoScheduler(), policy_name="fifo")
     fifo.run()
-    hai = Simulation(topo, jobs, policy=Policy(time_sharing=False))
+    hai = Simulation(topo, jobs, policy=replace(Policy(**FIFO_LEVELS), time_sharing=False))
     hai.run()
     assert fifo.job_results()[3]["first_start_s"] == 1500  # behind the 2-node head job
     assert hai.job_results()[3]["first_start_s"] == 2  # backfilled on the idle node
@@ -225,9 +226,9 @@ def test_fifo_blocks_behind_its_head_where_hai_backfills():
 def test_fifo_places_on_random_nodes_and_may_span_zones():
     topo = fire_flyer(nodes=8, zones=2, nodes_per_leaf=2)
     jobs = [tj(i, 0, 100, gpus=16) for i in range(1, 5)]
-    m = Simulation(topo, jobs, policy=Policy(), scheduler=FifoScheduler(seed=1), policy_name="fifo").run().metrics
+    m = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS), scheduler=FifoScheduler(seed=1), policy_name="fifo").run().metrics
     assert m["cross_zone_jobs"] >= 1  # zone-unaware
-    h = Simulation(topo, jobs, policy=Policy()).run().metrics
+    h = Simulation(topo, jobs, policy=Policy(**FIFO_LEVELS)).run().metrics
     assert h["cross_zone_jobs"] == 0 and h["min_leaves_ratio"] == 1.0
 
 
@@ -243,7 +244,7 @@ def test_double_allocations_and_quota_violations_are_caught():
         return d
 
     jobs = [tj(1, 0, 100, gpus=4, group="g"), tj(2, 0, 100, gpus=4, group="g")]
-    s = Simulation(one_node(), jobs, policy=Policy(), scheduler=greedy, quotas=(Quota("g", Priority.NORMAL, 2),))
+    s = Simulation(one_node(), jobs, policy=Policy(**FIFO_LEVELS), scheduler=greedy, quotas=(Quota("g", Priority.NORMAL, 2),))
     m = s.run().metrics
     assert m["double_allocations"] >= 1
     assert m["quota_violations"] >= 1
@@ -251,7 +252,7 @@ def test_double_allocations_and_quota_violations_are_caught():
 
 def test_hai_keeps_quotas_in_the_simulator():
     jobs = [tj(i, 0, 100, gpus=4, group="g", user=f"u{i}") for i in range(1, 5)]
-    s = Simulation(fire_flyer(nodes=2, zones=1, nodes_per_leaf=2), jobs, policy=Policy(), quotas=(Quota("g", Priority.NORMAL, 8),))
+    s = Simulation(fire_flyer(nodes=2, zones=1, nodes_per_leaf=2), jobs, policy=Policy(**FIFO_LEVELS), quotas=(Quota("g", Priority.NORMAL, 8),))
     m = s.run().metrics
     r = s.job_results()
     assert m["quota_violations"] == 0 and m["completed"] == 4
@@ -327,11 +328,11 @@ def test_sim_reads_scheduler_durations_from_settings(monkeypatch):
     finally:
         get_settings.cache_clear()
     assert (p.min_runtime_s, p.quantum_s, p.wait_threshold_s, p.demote_after_s, p.usage_half_life_s) == (123, 456, 7, 89, 10)
-    assert replace(p, min_runtime_s=Policy().min_runtime_s).preemption
+    assert replace(p, min_runtime_s=Policy(**FIFO_LEVELS).min_runtime_s).preemption
 
 
 def test_simulator_calls_the_same_domain_scheduler():
-    s = Simulation(one_node(), [tj(1, 0, 1)], policy=Policy())
+    s = Simulation(one_node(), [tj(1, 0, 1)], policy=Policy(**FIFO_LEVELS))
     assert s.scheduler is schedule
     assert from_crux  # the converter is importable from the domain
 
@@ -344,7 +345,7 @@ def test_the_fewest_leaves_check_reads_the_queue_in_the_policys_order(classes, e
     GPU-seconds attained) had one idle node on each leaf and two leaves were the fewest. In
     FIFO order (no classes) job 2 comes after job 1, node 1 was usable, and one leaf was."""
     sim = Simulation(fire_flyer(nodes=4, zones=1, nodes_per_leaf=2), [tj(1, 0, 5000, gpus=16), tj(2, 10, 5000), tj(3, 0, 9e5)],
-                     policy=Policy(service_classes_gpu_s=classes))  # fmt: skip
+                     policy=replace(Policy(**FIFO_LEVELS), service_classes_gpu_s=classes))  # fmt: skip
     n = [node.name for node in sim.nodes]
     leaves = [node.leaf for node in sim.nodes]
     assert leaves[0] == leaves[1] != leaves[2] == leaves[3]  # two leaves: nodes 0, 1 | nodes 2, 3
@@ -367,7 +368,7 @@ def test_service_classes_see_each_running_jobs_current_checkpoint(arrive, suspen
     snapshot, as the live one is (checkpoints every 300 s here): the checkpoint-boundary rule and
     the least-lost victim choice read it. (A stale view, its start, would make job 1 no victim at
     920 s.)"""
-    pol = Policy(service_classes_gpu_s=(1000.0,), min_runtime_s=600, time_sharing=False, service_checkpoint_slack_s=60)
+    pol = replace(Policy(**FIFO_LEVELS), service_classes_gpu_s=(1000.0,), min_runtime_s=600, time_sharing=False, service_checkpoint_slack_s=60)
     s = Simulation(one_node(), [tj(1, 0, 5000, user="a"), tj(2, arrive, 100, user="b")], policy=pol,
                    config=SimConfig(checkpoint_interval_s=300, checkpoint_cost_s=10, restart_cost_s=30))  # fmt: skip
     m = s.run().metrics

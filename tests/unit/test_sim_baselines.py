@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hai.domain.jobs import Priority
 from hai.domain.scheduler import Policy
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hai.domain.topology import fire_flyer
 from hai.sim.easy_fs import EasyFsScheduler
 from hai.sim.engine import SimConfig, Simulation
@@ -19,7 +22,7 @@ def tj(id_, at, dur, gpus=8, user="u", group=None):
     return TraceJob(id_, float(at), float(dur), gpus, nodes, per, Priority.NORMAL, user, group or user)
 
 
-def run(scheduler, jobs, nodes=1, policy=Policy(min_runtime_s=900)):
+def run(scheduler, jobs, nodes=1, policy=replace(Policy(**FIFO_LEVELS), min_runtime_s=900)):
     s = Simulation(fire_flyer(nodes=nodes, zones=1, nodes_per_leaf=max(1, nodes)), jobs, policy=policy, scheduler=scheduler, config=CFG)
     m = s.run().metrics
     return m, s.job_results()
@@ -87,7 +90,7 @@ def test_las_starvation_knob_moves_a_starved_job_back_to_queue_zero():
 
 def test_las_never_double_allocates_or_crosses_zones_on_a_mixed_trace():
     jobs = [tj(i, i * 40, 300 + (i * 137) % 4000, gpus=[1, 2, 8, 16][i % 4], user=f"u{i % 3}") for i in range(60)]
-    s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=1), jobs, policy=Policy(), scheduler=LasScheduler(), config=CFG)
+    s = Simulation(fire_flyer(nodes=4, zones=2, nodes_per_leaf=1), jobs, policy=Policy(**FIFO_LEVELS), scheduler=LasScheduler(), config=CFG)
     m = s.run().metrics
     assert m["completed"] == 60
     assert m["double_allocations"] == m["cross_zone_jobs"] == m["invalid_decisions"] == 0

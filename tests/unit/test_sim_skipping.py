@@ -3,12 +3,15 @@ about itself and on the domain's victim rules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import random
 
 import pytest
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler import Policy, schedule
+from hai.domain.scheduler.model import FIFO_LEVELS
 from hai.domain.scheduler.victims import may_take_turn, outranks
 from hai.domain.topology import fire_flyer
 from hai.sim.engine import Simulation
@@ -32,8 +35,8 @@ def _trace(seed: int, prios: list[str]) -> list[TraceJob]:
 
 def test_the_rules_read_the_schedulers_declared_traits():
     topo = fire_flyer(nodes=2, zones=1, nodes_per_leaf=2)
-    hai = Simulation(topo, [], policy=Policy()).rules
-    fifo = Simulation(topo, [], policy=Policy(), scheduler=FifoScheduler(seed=0)).rules
+    hai = Simulation(topo, [], policy=Policy(**FIFO_LEVELS)).rules
+    fifo = Simulation(topo, [], policy=Policy(**FIFO_LEVELS), scheduler=FifoScheduler(seed=0)).rules
     assert (hai.starts_every_fit, hai.strict_order) == (True, False)
     assert (fifo.starts_every_fit, fifo.strict_order) == (False, True)
 
@@ -44,7 +47,7 @@ def test_a_scheduler_that_declares_nothing_gets_the_coarse_rules_and_the_same_de
     use the finer node-level rules, and its skipping still changes no decision."""
     jobs = _trace(3, prios)
     topo = fire_flyer(nodes=4, zones=2, nodes_per_leaf=2)
-    pol = Policy(quantum_s=3600, wait_threshold_s=600, min_runtime_s=300)
+    pol = replace(Policy(**FIFO_LEVELS), quantum_s=3600, wait_threshold_s=600, min_runtime_s=300)
     out = []
     for scheduler, skip in ((schedule, False), (lambda s, p, t: schedule(s, p, t), True)):
         sim = Simulation(topo, jobs, policy=pol, scheduler=scheduler)

@@ -627,6 +627,7 @@ class Simulation:
         th = self.policy.service_classes_gpu_s
         mr = self.policy.min_runtime_s
         qf = self.policy.service_quantum_factor
+        pwf = self.policy.service_protect_wait_factor
         nth = len(th)
         best = None
         for j in self.running.values():
@@ -643,6 +644,11 @@ class Simulation:
             w = start + (max(mr, qf * j.attained / max(1, g)) if qf else mr)
             if w > t and (best is None or w < best):
                 best = w
+            if pwf and (t - j.t.submit_s) * g >= (1.0 + pwf) * a:
+                # kept for having waited: until it has run enough to be within the factor again
+                w = ((1.0 + pwf) * (start - j.attained / g) - j.t.submit_s) / pwf
+                if w > t and (best is None or w < best):
+                    best = w
         return best + self.eps if best is not None else None
 
     def attained_gpu_s(self, job_id: int, t: float) -> float:

@@ -221,6 +221,9 @@ class _Cycle:
         self._las_nodes: dict[int, list[tuple]] | None = None  # node ord -> possible victims by class
         self._las_chosen: set[int] = set()
         self._las_fail: dict[tuple[int, int], int] = {}  # (rank, class) -> fewest GPUs that found no victims
+        # jobs kept against least-attained-service suspension by a knob (grown quantum, long wait)
+        self._keeps = bool(policy.service_quantum_factor or policy.service_protect_wait_factor) and bool(self.classes)
+        self._las_kept: list[int] = []  # per service class: one-node jobs kept by those knobs
 
     def _reserved_in_queue_order(self) -> list[QueuedJob]:
         """The queued jobs with reserved nodes, in queue order: found in the snapshot's own
@@ -350,7 +353,7 @@ class _Cycle:
                         pend[jid] = reason
                     continue
                 # 6. waiting, with the placement failure and what preemption could not do
-                fkey = (reason, deferred, c)
+                fkey = (reason, deferred, c, n == 1)  # the kept note is for one-node jobs
                 got = final.get(fkey)
                 if got is None:
                     got = reason + self._note(job, False, deferred)
@@ -359,6 +362,8 @@ class _Cycle:
                         got += f"; waits behind {behind} job(s) with less attained service"
                     if self.classes:
                         got += self._class_note(c)
+                        if n == 1 and self._keeps:
+                            got += self._kept_note(c)
                     final[fkey] = got  # the whole sentence: every job of this key reads the same
                 pend[jid] = got
                 if not plain:
@@ -601,6 +606,23 @@ class _Cycle:
             return " (service class 0: least attained service)"
         return f" (service class {c}: demoted after {self.classes[c - 1] / 3600:.1f} GPU-hours of attained service)"
 
+    def _kept_note(self, c: int) -> str:
+        """One-node jobs in classes above ``c`` that a knob keeps on their GPUs (they would
+        otherwise be suspended for a job of class ``c``)."""
+        self._las_victims()
+        k = sum(self._las_kept[c + 1 :])
+        if not k:
+            return ""
+        pol = self.policy
+        why = []
+        if pol.service_quantum_factor:
+            cl = f" in service class {pol.service_quantum_min_class} or above" if pol.service_quantum_min_class else ""
+            why.append(f"a quantum of {pol.service_quantum_factor:g} x the time their attained service took{cl}")
+        if pol.service_protect_wait_factor:
+            why.append(f"they waited at least {pol.service_protect_wait_factor:g} x the time they ran")
+        also = ", against time-sharing too" if pol.service_protect_time_sharing else ""
+        return f"; {k} job(s) with more attained service keep their GPUs ({' or '.join(why)}{also})"
+
     def _las_victims(self) -> dict[int, list[tuple]]:
         """Per node: one-node running jobs past their minimum runtime in a service class above
         0 (and, with ``service_checkpoint_slack_s``, at most that long after their last
@@ -609,11 +631,12 @@ class _Cycle:
         if self._las_nodes is None:
             nodes: dict[int, list[tuple]] = {}
             pol, now, th = self.policy, self.now, self.classes
-            qf = pol.service_quantum_factor
+            qf, qmc, pwf = pol.service_quantum_factor, pol.service_quantum_min_class, pol.service_protect_wait_factor
             eff, susp = self.facts.eff_rank, self.facts.susp_mark
             by_name = self.index.by_name
             th0, min_rt = th[0], pol.min_runtime_s
             slack = pol.service_checkpoint_slack_s
+            kept = self._las_kept = [0] * (len(th) + 1)
             for i, r in enumerate(self.snap.running):
                 allocs = r.allocations
                 if susp[i] or len(allocs) != 1:
@@ -624,11 +647,15 @@ class _Cycle:
                     continue  # its minimum runtime
                 g = len(allocs[0].gpus)  # its GPU count (one allocation)
                 a0 = r.attained_gpu_s
-                if qf and ran < qf * a0 / (g if g > 1 else 1):
-                    continue  # the quantum its attained service earned
                 attained = a0 + ran * g
+                if qf and ran < qf * a0 / (g if g > 1 else 1) and (not qmc or bisect_right(th, attained) >= qmc):
+                    kept[bisect_right(th, attained)] += 1
+                    continue  # the quantum its attained service earned
                 if attained < th0:
                     continue  # service class 0: never a victim here
+                if pwf and (now - r.first_submitted_at) * g >= (1.0 + pwf) * attained:
+                    kept[bisect_right(th, attained)] += 1
+                    continue  # it waited at least pwf times the time it ran: kept until it has run enough
                 slot = by_name.get(allocs[0].node)
                 if slot is None:
                     continue

@@ -96,6 +96,11 @@ class Snapshot:
     usage: Mapping[str, float] = field(default_factory=dict)
 
 
+# The default service classes (issue 16): eight least-attained-service classes, x~3.2 apart, up to
+# 3.25 M GPU-seconds (benchmarks/README.md, "Scheduling quality against Tiresias").
+SERVICE_CLASSES_GPU_S: tuple[float, ...] = (1000.0, 3250.0, 10_000.0, 32_500.0, 100_000.0, 325_000.0, 1_000_000.0, 3_250_000.0)
+
+
 @dataclass(frozen=True)
 class Policy:
     """Every duration is a setting (HAI_SCHEDULER__*)."""
@@ -110,11 +115,12 @@ class Policy:
     # at most this many waiting jobs start new suspensions in one cycle (bounds a cycle's cost;
     # suspensions take effect at checkpoints, minutes away, so the next cycle continues)
     max_preemptions_per_cycle: int = 32
-    # least attained service within a priority level (issue 16; empty: off, the FIFO levels).
+    # least attained service within a priority level (issue 16; the default: eight classes;
+    # empty: off, the FIFO levels, see FIFO_LEVELS).
     # Thresholds in GPU-seconds split each level into service classes: the queue is ordered by
     # class, then FIFO; a waiting one-node job may suspend jobs of its priority in a higher class
     # (past their minimum runtime), so short jobs overtake long ones without knowing durations.
-    service_classes_gpu_s: tuple[float, ...] = ()
+    service_classes_gpu_s: tuple[float, ...] = SERVICE_CLASSES_GPU_S
     # a waiting job promoted to class 0 once it waited this many times its executed time
     # (Tiresias' starvation knob; 0: never)
     starvation_factor: float = 0.0
@@ -122,10 +128,22 @@ class Policy:
     # over g GPUs is not suspended for a job with less attained service before it ran
     # max(min_runtime_s, service_quantum_factor * A / g) in this attempt (0: the minimum runtime)
     service_quantum_factor: float = 0.0
+    # the growing quantum only for jobs in this service class or above (0: every class): the
+    # long jobs of the last classes run longer stretches, the short and middle ones still give
+    # way after their minimum runtime
+    service_quantum_min_class: int = 0
+    # a running job that has waited (since its first submission, less the time it ran) at least
+    # this many times the time it ran is not suspended for a job with less attained service: a
+    # long job starved in the last classes keeps its GPUs once it gets them, until it has run
+    # enough to be within the factor again (0: off; the default 0.5 met issue 16's scale-2 tail)
+    service_protect_wait_factor: float = 0.5
+    # the jobs kept by the two knobs above (a grown quantum, a long wait) are kept against
+    # time-sharing too: they do not count as past the quantum while kept
+    service_protect_time_sharing: bool = False
     # checkpoint-boundary preemption under least attained service: a running job is suspended
     # for a job with less attained service only within this many seconds after a checkpoint
-    # (its last checkpoint, or its start), so it loses at most that much work; 0: any time
-    service_checkpoint_slack_s: float = 0.0
+    # (its last checkpoint, or its start), so it loses at most that much work; 0: any time (default 30)
+    service_checkpoint_slack_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +184,9 @@ class Decisions:
     reservations: dict[int, tuple[str, ...]] = field(default_factory=dict)
     # queued job id -> why it is still waiting, in words a person understands
     pending_reasons: dict[int, str] = field(default_factory=dict)
+
+
+# The policy before least attained service became the default (issue 16): FIFO within a priority
+# level, no service classes. Tests and benchmarks that pin that behaviour set it explicitly:
+# ``Policy(**FIFO_LEVELS)``.
+FIFO_LEVELS = {"service_classes_gpu_s": (), "service_checkpoint_slack_s": 0.0, "service_protect_wait_factor": 0.0}

@@ -14,9 +14,11 @@ and the table's ``chosen`` marks (victims picked in this cycle).
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler.explain import demotion_sentence
-from hai.domain.scheduler.model import Demote, Policy, QueuedJob, Snapshot
+from hai.domain.scheduler.model import Demote, Policy, QueuedJob, RunningJob, Snapshot
 from hai.domain.scheduler.placement import FreeIndex
 from hai.domain.scheduler.victim_table import RunningTable
 
@@ -37,6 +39,22 @@ def may_take_turn(waiter_rank: int, waiter_user: str, victim_rank: int, victim_u
     """Time-sharing (the victim ran its quantum, the waiter waited past the threshold): only a
     job of the waiter's priority and of another user."""
     return victim_rank == waiter_rank and victim_user != waiter_user
+
+
+def kept_by_service(policy: Policy, r: RunningJob, now: float) -> bool:
+    """Least attained service (``Policy.service_quantum_min_class`` and
+    ``service_protect_wait_factor``): is this running job kept on its GPUs now, by the quantum
+    its attained service earned in its class or by having waited that many times what it ran?"""
+    th = policy.service_classes_gpu_s
+    if not th:
+        return False
+    g = max(1, r.gpu_count)
+    ran = now - r.started_at
+    attained = r.attained_gpu_s + ran * g
+    qf, pwf = policy.service_quantum_factor, policy.service_protect_wait_factor
+    if qf and ran < qf * r.attained_gpu_s / g and bisect_right(th, attained) >= policy.service_quantum_min_class:
+        return True
+    return bool(pwf) and attained >= th[0] and (now - r.first_submitted_at) * g >= (1.0 + pwf) * attained
 
 
 def rank(p: Priority) -> int:
@@ -112,6 +130,7 @@ class VictimFacts:
         min_ok_l, q_ok_l, members, ts_users = self.min_ok, self.quantum_ok, self.members, self.ts_users
         already = self._facts_ts  # time-sharing facts were filled in before: do not count twice
         min_pr = self.min_preemptible_rank
+        kept = pol.service_protect_time_sharing and pol.service_classes_gpu_s
         for i in cands:
             r = running[i]
             ran = now - r.started_at
@@ -121,7 +140,7 @@ class VictimFacts:
             rank_ = eff[i]
             if min_pr is None or rank_ < min_pr:
                 min_pr = rank_
-            if ran >= quantum:
+            if ran >= quantum and not (kept and kept_by_service(pol, r, now)):
                 if already:
                     continue
                 min_ok_l[i] = q_ok_l[i] = True
