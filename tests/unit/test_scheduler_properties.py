@@ -171,6 +171,64 @@ def _effective_rank(snap: Snapshot, pol: Policy, d) -> dict[int, int]:
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snap=snapshots(), pol=policies)
 def test_cycle_invariants(snap: Snapshot, pol: Policy):
+    _invariants(snap, pol)
+
+
+@st.composite
+def snapshots_with_service(draw):
+    """As ``snapshots``, with attained service from earlier attempts (log-uniform up to 10^7
+    GPU-s, or none) and checkpoints of various ages: every service class is reached."""
+    snap = draw(snapshots())
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+
+    def attained() -> float:
+        return 0.0 if rng.random() < 0.3 else 10 ** rng.uniform(1, 7)
+
+    running = tuple(replace(r, attained_gpu_s=attained(),
+                            last_checkpoint_at=None if rng.random() < 0.3 else NOW - rng.uniform(0, 600))
+                    for r in snap.running)
+    queued = tuple(replace(q, attained_gpu_s=attained()) for q in snap.queued)
+    return replace(snap, running=running, queued=queued)
+
+
+las_policies = st.builds(
+    Policy,  # the defaults since issue 16: eight service classes, checkpoint slack, wait factor
+    min_runtime_s=st.sampled_from([0.0, 15 * 60.0]),
+    preemption=st.booleans(),
+    time_sharing=st.booleans(),
+    max_preemptions_per_cycle=st.sampled_from([1, 32]),
+    service_checkpoint_slack_s=st.sampled_from([0.0, 30.0]),
+    service_protect_wait_factor=st.sampled_from([0.0, 0.5]),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snap=snapshots_with_service(), pol=las_policies)
+def test_cycle_invariants_with_least_attained_service(snap: Snapshot, pol: Policy):
+    """The same invariants under the default policy, where a job may also be suspended for one
+    of its own priority with less attained service (only as the policy allows it)."""
+    assert pol.service_classes_gpu_s  # the default has classes
+    _invariants(snap, pol)
+
+
+def _las_victim_ok(pol: Policy, v: RunningJob, w: QueuedJob) -> bool:
+    """Whether least attained service may suspend ``v`` for ``w`` (same priority)."""
+    from bisect import bisect_right
+    th = pol.service_classes_gpu_s
+    if not th or w.nodes != 1 or len(v.allocations) != 1:
+        return False
+    g = len(v.allocations[0].gpus)
+    ran = NOW - v.started_at
+    attained = v.attained_gpu_s + ran * g
+    if bisect_right(th, attained) <= bisect_right(th, w.attained_gpu_s):
+        return False  # only jobs of a higher service class than the waiting job's
+    if pol.service_protect_wait_factor and (NOW - v.first_submitted_at) * g >= (1 + pol.service_protect_wait_factor) * attained:
+        return False  # kept: it waited long enough
+    since = v.last_checkpoint_at if v.last_checkpoint_at is not None else v.started_at
+    return not (pol.service_checkpoint_slack_s and NOW - since > pol.service_checkpoint_slack_s)
+
+
+def _invariants(snap: Snapshot, pol: Policy) -> None:
     before = copy.deepcopy(snap)
     d = schedule(snap, pol, NOW)
     assert snap == before, "planning must not mutate the snapshot"
@@ -265,7 +323,9 @@ def test_cycle_invariants(snap: Snapshot, pol: Policy):
         assert ran >= min_rt, "suspended before its minimum runtime"
         if eff[v.id] < w.priority.rank:
             continue
-        assert pol.time_sharing, "same-priority victim without time-sharing"
+        if eff[v.id] == w.priority.rank and _las_victim_ok(pol, v, w):
+            continue  # least attained service (issue 16)
+        assert pol.time_sharing, "same-priority victim without time-sharing or least attained service"
         assert eff[v.id] == w.priority.rank and v.user != w.user, "never the same user at the same priority"
         assert ran >= pol.quantum_s and NOW - w.queued_at >= pol.wait_threshold_s
     for jid, names in d.reservations.items():
