@@ -478,13 +478,7 @@ class NodeAgent:
             return True
         if not att.drained:
             with self._tail_lock:
-                try:
-                    _, drained = tail_attempt(att.tail, self.buf, final=True, now=self.clock)
-                except OSError as e:
-                    log.debug("tailing job %s attempt %s: %s", att.job_id, att.attempt, e)
-                    drained = False
-            if drained:
-                att.drained = True
+                self._tail(att, True)
         if att.drained and att.log_mark is None:
             att.log_mark = self.buf.mark()
         if att.log_mark is not None and self.buf.delivered_to(att.log_mark):
@@ -500,15 +494,20 @@ class NodeAgent:
             for att, final in atts:
                 if att.drained or att.key not in self.attempts:
                     continue
-                try:
-                    n, drained = tail_attempt(att.tail, self.buf, final=final, now=self.clock)
-                except OSError as e:
-                    log.debug("tailing job %s attempt %s: %s", att.job_id, att.attempt, e)
-                    continue
-                total += n
-                if final and drained:
-                    att.drained = True
+                total += self._tail(att, final)
         return total
+
+    def _tail(self, att: Attempt, final: bool) -> int:
+        """One tail round of ``att`` (the caller holds ``_tail_lock``); ``final``: its ranks
+        ended, so a finished read marks it drained. Returns the lines read."""
+        try:
+            n, drained = tail_attempt(att.tail, self.buf, final=final, now=self.clock)
+        except OSError as e:
+            log.debug("tailing job %s attempt %s: %s", att.job_id, att.attempt, e)
+            return 0
+        if final and drained:
+            att.drained = True
+        return n
 
     # ------------------------------------------------------------------ forgetting
 

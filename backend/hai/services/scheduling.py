@@ -277,6 +277,15 @@ def _queued(j: Row) -> tuple[sched.QueuedJob, QueuedNow]:
     return job, QueuedNow(pending_reason=j.pending_reason, reserved_nodes=reserved)
 
 
+def _absorb(jobs: dict[int, sched.QueuedJob], shows: dict[int, QueuedNow], j) -> None:  # noqa: ANN001
+    """One job row read again: in the cache while it is queued and not held, out of it otherwise."""
+    if j.state == JobState.QUEUED.value and not j.user_suspended:
+        jobs[j.id], shows[j.id] = _queued(j)
+    else:
+        jobs.pop(j.id, None)
+        shows.pop(j.id, None)
+
+
 def _refresh(
     session: Session, queue: QueueCache, mark: int, queued_count: int | None
 ) -> tuple[list[sched.QueuedJob], dict[int, QueuedNow]]:
@@ -293,11 +302,7 @@ def _refresh(
         jobs, shows = queue.jobs, queue.shows
         for j in rows:
             n += 1
-            if j.state == JobState.QUEUED.value and not j.user_suspended:
-                jobs[j.id], shows[j.id] = _queued(j)
-            else:
-                jobs.pop(j.id, None)
-                shows.pop(j.id, None)
+            _absorb(jobs, shows, j)
         queue.rows_read = n
         queue.mark = mark
         if queued_count is None or len(jobs) == queued_count:
@@ -362,11 +367,7 @@ def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJ
             if j.id is None:  # the LEFT JOIN's row when no job row is read
                 continue
             n += 1
-            if j.state == JobState.QUEUED.value and not j.user_suspended:
-                jobs[j.id], shows[j.id] = _queued(j)
-            else:
-                jobs.pop(j.id, None)
-                shows.pop(j.id, None)
+            _absorb(jobs, shows, j)
         queue.rows_read = n
         if full:  # the whole queue as of this snapshot
             queue.mark = horizon
