@@ -69,6 +69,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     app.state.platform = platform
     limits = (platform.settings if platform else (settings or get_settings())).limits
     app.state.auth_failures = guards.AuthFailures(limits)
+    # innermost: a steady agent heartbeat is answered before routing (issue 12), inside the guards
+    app.add_middleware(agent.SteadyHeartbeats)
     app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(guards.AllowHeader, routes_of=lambda: app.routes)
     errors.install(app)
