@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -173,3 +174,24 @@ class SteadyHeartbeats:
                     "headers": [(b"content-length", str(len(steady.body)).encode()),
                                 (b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": steady.body})
+
+
+class QuietHeartbeats(logging.Filter):
+    """Drops uvicorn's access-log line of an agent heartbeat answered with 2xx (issue 12): at
+    1,250 nodes that is 1,250 lines a second saying nothing (the node's liveness is in the
+    database and on the nodes page); a refused heartbeat is still logged. It runs before the
+    token redaction (``guards.install_redaction``), whose regular expression the dropped lines
+    then skip: the access line, its redaction and its write were ~16% of a worker's event loop
+    during a fan-in (py-spy ``--gil``). ``HAI_AGENT__ACCESS_LOG_HEARTBEATS=true`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn: access_logger.info('%s - "%s %s HTTP/%s" %d', client, method, path, version, status)
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) == 5 and args[2] == HEARTBEAT_PATH
+                    and args[1] == "POST" and isinstance(args[4], int) and 200 <= args[4] < 300)
+
+
+def quiet_heartbeat_access_log() -> None:
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietHeartbeats) for f in logger.filters):
+        logger.filters.insert(0, QuietHeartbeats())  # first: before the redaction's work
