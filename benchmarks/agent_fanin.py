@@ -137,6 +137,56 @@ class SimAgent:
                                 "value": GPUS, "threshold": GPUS, "detail": f"{GPUS} GPUs as registered"}]}
 
 
+class RawConnection:
+    """One agent's keep-alive HTTP/1.1 connection without a client library (``--client raw``, the
+    default): the generator must carry 1,250 agents at 1 Hz beside the server on the same cores,
+    and httpx's per-request machinery cost ~3 ms of CPU per heartbeat there (more than the
+    server's side). The bytes on the wire are an ordinary POST with a JSON body; the reply is
+    read by its Content-Length (uvicorn sends one for every JSON reply)."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port = host, port
+        self.head = (f"Host: {host}:{port}\r\nAuthorization: Bearer {token}\r\n"
+                     "Content-Type: application/json\r\n").encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        for attempt in (0, 1):  # a keep-alive connection the server closed meanwhile: once more on a new one
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            try:
+                self.writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\n" + self.head
+                                  + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                head = await self.reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                status = int(lines[0].split(b" ", 2)[1])
+                length, close = 0, False
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"connection" and value.strip().lower() == b"close":
+                        close = True
+                data = await self.reader.readexactly(length) if length else b""
+                if close:
+                    await self.close()
+                return status, data
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+
 class Stats:
     def __init__(self) -> None:
         self.measuring = False
@@ -151,7 +201,7 @@ class Stats:
 
 
 async def agent_loop(a: SimAgent, client: httpx.AsyncClient, stats: Stats, interval: float, t0: float,
-                     stop: asyncio.Event) -> None:
+                     stop: asyncio.Event, raw: RawConnection | None = None) -> None:
     phase = (hash(a.name) % 1000) / 1000 * interval
     k = 0
     while not stop.is_set():
@@ -166,18 +216,22 @@ async def agent_loop(a: SimAgent, client: httpx.AsyncClient, stats: Stats, inter
         start = time.perf_counter()
         body = json.dumps(a.heartbeat())
         try:
-            r = await client.post("/api/v1/agent/heartbeat", content=body,
-                                  headers={"Content-Type": "application/json"})
-            if r.status_code != 200:
-                stats.error(f"http {r.status_code}")
+            if raw is not None:
+                status, data = await raw.post("/api/v1/agent/heartbeat", body.encode())
             else:
-                reply = r.json()
+                r = await client.post("/api/v1/agent/heartbeat", content=body,
+                                      headers={"Content-Type": "application/json"})
+                status, data = r.status_code, r.content
+            if status != 200:
+                stats.error(f"http {status}")
+            else:
+                reply = json.loads(data)
                 if reply.get("reregister"):
                     a.reregisters += 1
                     r2 = await client.post("/api/v1/agent/register", json=a.hello())
                     reply = r2.json()
                 a.apply(reply)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, OSError, asyncio.IncompleteReadError) as e:
             stats.error(type(e).__name__)
         end = time.perf_counter()
         if stats.measuring:
@@ -297,7 +351,9 @@ async def run(args) -> dict:  # noqa: ANN001, C901
 
             stop = asyncio.Event()
             t0 = time.perf_counter()
-            loops = [asyncio.create_task(agent_loop(a, a.client, stats, args.interval_s, t0, stop)) for a in agents]
+            raws = [RawConnection("127.0.0.1", port, agent_token) if args.client == "raw" else None for _ in agents]
+            loops = [asyncio.create_task(agent_loop(a, a.client, stats, args.interval_s, t0, stop, raw))
+                     for a, raw in zip(agents, raws)]
 
             # half the GPUs busy: 4-GPU jobs, 2 per node
             njobs = args.agents * GPUS // 2 // 4 if args.jobs is None else args.jobs
@@ -362,7 +418,7 @@ async def run(args) -> dict:  # noqa: ANN001, C901
                 out.mkdir(parents=True, exist_ok=True)
                 for p in server_procs[1:] or server_procs:
                     spies.append(subprocess.Popen(
-                        [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-r", "20", "-f",
+                        [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-r", "100", "-f",
                          "raw", "-d", str(int(args.seconds)), "-p", str(p.pid), "-o", str(out / f"server-{p.pid}.txt")],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             c0 = {"server": cpu_s(server_procs), "scheduler": cpu_s(sched_procs), "generator": cpu_s(me),
@@ -401,6 +457,9 @@ async def run(args) -> dict:  # noqa: ANN001, C901
             lost = await asyncio.to_thread(lost_nodes) - lost_before
             stop.set()
             await asyncio.gather(*loops, return_exceptions=True)
+            for raw in raws:
+                if raw is not None:
+                    await raw.close()
 
             def states() -> dict:
                 with eng.connect() as c:
@@ -411,7 +470,7 @@ async def run(args) -> dict:  # noqa: ANN001, C901
         cpu = {k: round((c1[k] - c0[k]) / elapsed, 3) for k in c0}
         result.update({
             "agents": args.agents, "gpus_per_agent": GPUS, "interval_s": args.interval_s,
-            "server_workers": args.workers, "agents_per_client": args.agents_per_client, "cpu_count": os.cpu_count(), "measured_s": round(elapsed, 1),
+            "server_workers": args.workers, "client": args.client, "agents_per_client": args.agents_per_client, "cpu_count": os.cpu_count(), "measured_s": round(elapsed, 1),
             "heartbeats": stats.sent, "heartbeats_per_s": round(stats.sent / elapsed, 1),
             "expected_per_s": round(args.agents / args.interval_s, 1),
             "latency_ms": {"p50": round(pct(stats.lat, 50) * 1000, 1), "p90": round(pct(stats.lat, 90) * 1000, 1),
@@ -464,6 +523,8 @@ def main() -> None:
                     help="agents sharing one keep-alive pool (1: one connection per agent, as real agents)")
     ap.add_argument("--connections", type=int, default=256,
                     help="with --agents-per-client > 1: the generator's keep-alive connections in all")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="heartbeats over a bare keep-alive connection per agent (raw) or httpx")
     ap.add_argument("--probe-every-s", type=float, default=2.0)
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--database-url", default=os.environ.get("HAI_BENCH_DATABASE_URL")
@@ -474,6 +535,12 @@ def main() -> None:
     ap.add_argument("--py-spy", default="", help="folder: profile each server worker over the window")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    if args.client == "raw":
+        try:  # uvicorn[standard]'s event loop: the generator's own share of the cores matters here
+            import uvloop
+            uvloop.install()
+        except ImportError:
+            pass
     result = asyncio.run(run(args))
     text_ = json.dumps(result, indent=2)
     print(text_)

@@ -53,6 +53,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         if app.state.platform is None:
             app.state.platform = Platform.from_settings(settings or get_settings())
         app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
+        if not app.state.platform.settings.agent.access_log_heartbeats:
+            agent.quiet_heartbeat_access_log()  # issue 12: before the redaction filter
         guards.install_redaction()
         yield
         if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness
@@ -69,6 +71,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     app.state.platform = platform
     limits = (platform.settings if platform else (settings or get_settings())).limits
     app.state.auth_failures = guards.AuthFailures(limits)
+    # innermost: a steady agent heartbeat is answered before routing (issue 12), inside the guards
+    app.add_middleware(agent.SteadyHeartbeats)
     app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(guards.AllowHeader, routes_of=lambda: app.routes)
     errors.install(app)

@@ -86,6 +86,9 @@ class AgentSettings(BaseModel):
         "with Redis: a steady heartbeat (the report and the held assignments unchanged, all of them "
         "running) is answered from the API process's cache, without the database (liveness written in "
         "batches, liveness_flush_s), for at most this long; any change to the node's assignments invalidates it at once (0: never)"))
+    access_log_heartbeats: bool = Field(default=False, description=(
+        "log every heartbeat answered 2xx in hai server's access log (a line per node per second); "
+        "refused heartbeats are logged either way"))
     liveness_flush_s: float = Field(default=1.0, gt=0, description=(
         "the liveness (last heartbeat, latest GPU figures) of heartbeats answered from the reply cache is "
         "written for all nodes at once this often, by each API process; keep it well under lost_after_s"))

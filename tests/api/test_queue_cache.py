@@ -57,6 +57,23 @@ def _write(api, fn) -> None:  # noqa: ANN001
         s.commit()
 
 
+def _late_submissions_and_a_deleted_row(api, cache, loop, lease):  # noqa: ANN001, ANN202
+    """Three submissions between cycles (read by the cache, considered by the next cycle), then a
+    queued row deleted behind the platform's back (nothing in it deletes jobs): the count check
+    notices and the cache reads the whole queue again. Returns the cycle's outcome."""
+    late = [api.submit(gpus_per_node=1, name=f"late{i}")["id"] for i in range(3)]
+    assert _same(api, cache) == 3
+    third = _cycle(api, loop, lease)
+    assert set(late) <= set(third.considered)
+    _same(api, cache)
+    reads = cache.full_reads
+    victim = next(j for j in cache.jobs if j not in late)
+    _write(api, lambda s: s.execute(delete(Job).where(Job.id == victim)))
+    _same(api, cache)
+    assert cache.full_reads == reads + 1 and victim not in cache.jobs
+    return third
+
+
 def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write(api):
     api.register_node("n0")
     api.register_node("n1")
@@ -119,19 +136,8 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write(api)
         assert cache.jobs[queued[2]].priority.value == "VERY_HIGH"
         assert cache.shows[queued[3]].reserved_nodes == ("n1",)
 
-        # more submissions between cycles, and a cycle in between
-        late = [api.submit(gpus_per_node=1, name=f"late{i}")["id"] for i in range(3)]
-        assert _same(api, cache) == 3
-        third = _cycle(api, loop, lease)
-        assert set(late) <= set(third.considered)
-        _same(api, cache)
-
-        # a queued row deleted (nothing in the platform deletes jobs; the count check notices)
-        reads = cache.full_reads
-        victim = next(j for j in cache.jobs if j not in late)
-        _write(api, lambda s: s.execute(delete(Job).where(Job.id == victim)))
-        _same(api, cache)
-        assert cache.full_reads == reads + 1 and victim not in cache.jobs
+        # more submissions between cycles, a cycle in between, a queued row deleted
+        third = _late_submissions_and_a_deleted_row(api, cache, loop, lease)
 
         reads = loop.queue.full_reads
         _cycle(api, loop, lease)  # the loop's own cache notices the deletion too

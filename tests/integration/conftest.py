@@ -62,3 +62,31 @@ def replicas(pg_url: str, redis_url: str, tmp_path):  # noqa: ANN001, ANN201
     yield make
     for p in made:
         p.close()
+
+
+@pytest.fixture
+def pg_platform(pg_url, tmp_path):
+    """The platform on a fresh PostgreSQL database, migrated, without Redis; nodes are not found
+    lost while a test pauses (``lost_after_s`` an hour)."""
+    from hai.db.migrate import upgrade
+    from hai.services.context import Platform
+    from hai.settings import Settings
+
+    upgrade(pg_url)
+    settings = Settings(data_dir=tmp_path, db={"url": pg_url}, frontend_dist=tmp_path / "none",
+                        agent={"lost_after_s": 3600})
+    p = Platform.from_settings(settings)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def pg_api(pg_platform):
+    """The app on ``pg_platform`` behind a test client, with the test users (tests.conftest.Api)."""
+    from fastapi.testclient import TestClient
+
+    from hai.main import create_app
+    from tests.conftest import Api
+
+    with TestClient(create_app(pg_platform)) as client:
+        yield Api(client, pg_platform)

@@ -35,19 +35,8 @@ LEASE_S = 3.0
 
 
 @pytest.fixture
-def pg_platform(pg_url, tmp_path):
-    upgrade(pg_url)
-    settings = Settings(data_dir=tmp_path, db={"url": pg_url}, frontend_dist=tmp_path / "none",
-                        agent={"lost_after_s": 3600})
-    p = Platform.from_settings(settings)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def api(pg_platform):
-    with TestClient(create_app(pg_platform)) as client:
-        yield Api(client, pg_platform)
+def api(pg_api):
+    return pg_api
 
 
 class Scheduler:

@@ -263,3 +263,63 @@ def test_an_unsupported_protocol_version_is_refused_even_with_a_cached_reply(two
         assert cache.hits == hits and cache.pending() == pending
         n.beat()
         assert cache.hits == hits + 1  # the supported version is still answered from the cache
+
+
+def _steady_heartbeats(app):  # noqa: ANN001, ANN202
+    """The app's SteadyHeartbeats middleware, from its built stack."""
+    from hai.api.agent import SteadyHeartbeats
+
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, SteadyHeartbeats):
+        layer = getattr(layer, "app", None)
+    assert layer is not None, "SteadyHeartbeats is not in the app's middleware"
+    return layer
+
+
+def test_a_steady_heartbeat_is_answered_before_routing_and_everything_else_reaches_the_route(two):
+    api_platform, other = two
+    agent_token, alice = _setup(api_platform, other)
+    with other.sessions() as s:
+        _, user_token = auth.create_user(session=s, name=f"v{uuid.uuid4().hex[:6]}", group="g")
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        full = n.beat()  # a full pass that the cache keeps
+        early = _steady_heartbeats(app)
+        cache = app.state.reply_cache
+        answered, hits = early.answered, cache.hits
+        r = client.post("/api/v1/agent/heartbeat", headers=n.h, json=Heartbeat(
+            node=n.node, assignments_digest=n.digest, gpus=[GpuMetrics(index=0, uuid="G0", util_pct=61.0)],
+            attempts=[AttemptStatus(job_id=n.job_id, attempt=1, ranks=[RankStatus(rank=0, local_rank=0, pid=7)])],
+        ).model_dump(mode="json"))
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.json() == full, "the early answer is not the route's reply"
+        assert early.answered == answered + 1 and cache.hits == hits + 1
+        assert cache.pending() == 1 and cache.flush() == 1
+        assert n.row().gpu_metrics[0]["util_pct"] == 61.0  # its liveness and figures noted as the route's
+
+        body = Heartbeat(node=n.node, assignments_digest=n.digest,
+                         attempts=[AttemptStatus(job_id=n.job_id, attempt=1,
+                                                 ranks=[RankStatus(rank=0, local_rank=0, pid=7)])]).model_dump(mode="json")
+        answered = early.answered
+        # what is not a steady heartbeat of a known agent reaches the route, which answers as ever
+        assert client.post("/api/v1/agent/heartbeat", json=body).status_code == 401  # no credential
+        assert client.post("/api/v1/agent/heartbeat", json=body,
+                           headers={"Authorization": "Bearer hai_not-a-real-token-at-all"}).status_code == 401
+        r = client.post("/api/v1/agent/heartbeat", json=body | {"protocol_version": 99}, headers=n.h)
+        assert r.status_code == 426
+        r = client.post("/api/v1/agent/heartbeat", json=body | {"wait_s": -1}, headers=n.h)
+        assert r.status_code == 422 and "wait_s" in r.text
+        r = client.post("/api/v1/agent/heartbeat", content=b"{not json", headers=n.h | {"Content-Type": "application/json"})
+        assert r.status_code == 422
+        hits = cache.hits
+        r = client.post("/api/v1/agent/heartbeat", json=body | {"wait_s": 0.05}, headers=n.h)  # a long poll
+        assert r.status_code == 200 and r.json()["assignments_digest"] == n.digest
+        assert cache.hits == hits + 1  # the route's own cached branch answered it
+        r = client.post("/api/v1/agent/heartbeat", json=body | {"assignments_digest": "other"}, headers=n.h)
+        assert r.status_code == 200 and r.json()["assignments_digest"] == n.digest  # a full pass
+        assert early.answered == answered
+        for _ in range(2):  # a user's credential, looked up, then from the token cache: the route's 403
+            r = client.post("/api/v1/agent/heartbeat", json=body, headers={"Authorization": f"Bearer {user_token}"})
+            assert r.status_code == 403
+        assert early.answered == answered

@@ -10,38 +10,21 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
-from sqlalchemy import delete, text, update
+from sqlalchemy import text, update
 
 from hai.db.base import utcnow
-from hai.db.migrate import upgrade
 from hai.db.models import Job
 from hai.domain.jobs import JobState
-from hai.main import create_app
 from hai.services import scheduling
-from hai.services.context import Platform
 from hai.services.jobs import requeue_as_restart, transition
 from hai.services.leader import leadership
 from hai.services.runner import SchedulerLoop
-from hai.settings import Settings
-from tests.api.test_queue_cache import _cycle, _same, _snapshot, _write
-from tests.conftest import Api
+from tests.api.test_queue_cache import _cycle, _late_submissions_and_a_deleted_row, _same, _snapshot, _write
 
 
 @pytest.fixture
-def pg_platform(pg_url, tmp_path):
-    upgrade(pg_url)
-    settings = Settings(data_dir=tmp_path, db={"url": pg_url}, frontend_dist=tmp_path / "none",
-                        agent={"lost_after_s": 3600})
-    p = Platform.from_settings(settings)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def api(pg_platform):
-    with TestClient(create_app(pg_platform)) as client:
-        yield Api(client, pg_platform)
+def api(pg_api):
+    return pg_api
 
 
 def _open(api, sql: str, **params):  # noqa: ANN001, ANN003, ANN202
@@ -140,18 +123,7 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_p
             c.execute(text("VACUUM (FREEZE) jobs"))
         assert _same(api, cache) == 0
 
-        late = [api.submit(gpus_per_node=1, name=f"late{i}")["id"] for i in range(3)]
-        assert _same(api, cache) == 3
-        third = _cycle(api, loop, lease)
-        assert set(late) <= set(third.considered)
-        _same(api, cache)
-
-        # a queued row deleted (nothing in the platform deletes jobs; the count check notices)
-        reads = cache.full_reads
-        victim = next(j for j in cache.jobs if j not in late)
-        _write(api, lambda s: s.execute(delete(Job).where(Job.id == victim)))
-        _same(api, cache)
-        assert cache.full_reads == reads + 1 and victim not in cache.jobs
+        _late_submissions_and_a_deleted_row(api, cache, loop, lease)
 
 
 def _open_across_a_read(api, cache, loop, lease):  # noqa: ANN001, ANN202

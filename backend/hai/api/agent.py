@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 from fastapi import APIRouter, Request, Response
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.concurrency import run_in_threadpool
 
+from hai.api import deps
 from hai.api.deps import AgentPrincipal, PlatformDep
 from hai.protocol import AgentHello, Heartbeat, LogAck, LogBatch, ServerReply
 from hai.services import agents as agent_service
@@ -20,6 +24,9 @@ router = APIRouter(prefix="/api/v1/agent", tags=["agent"])
 def register(hello: AgentHello, platform: PlatformDep, _agent: AgentPrincipal) -> ServerReply:
     with platform.sessions() as session:
         return agent_service.register(session=session, hello=hello, settings=platform.settings)
+
+
+HEARTBEAT_PATH = router.prefix + "/heartbeat"
 
 
 def _reply_cache(request: Request, platform) -> agent_service.ReplyCache | None:  # noqa: ANN001
@@ -96,3 +103,95 @@ def logs(batch: LogBatch, platform: PlatformDep, _agent: AgentPrincipal) -> LogA
             session=session, batch=batch, max_line_chars=platform.settings.limits.max_log_line_chars
         )
         return LogAck(accepted=accepted)
+
+
+class SteadyHeartbeats:
+    """Pure ASGI middleware (issue 12): a steady heartbeat answered before routing.
+
+    At 1,250 agents a second nearly every request is a heartbeat that changes nothing, which
+    the reply cache answers without the database; what it still cost was the framework around it
+    (routing, dependency resolution, the body's second validation as a route parameter, the
+    response's middleware), about two thirds of a cached answer's CPU (py-spy ``--gil`` of the
+    workers during agent_fanin.py). Here such a heartbeat is recognised and answered from the
+    same cache with the same bytes, by the same rules as the route's own cached branch: an agent
+    credential already in this process's token cache, a JSON body that validates as a
+    ``Heartbeat`` of a supported version, no long poll, and an entry that ``ReplyCache.lookup``
+    and ``answer`` accept. Anything else (no or unknown credential, another body, a miss) goes on
+    to the application unchanged, with the body as read, so errors, 401/403/422/426 and full
+    passes stay the route's. Installed inside ``BodyLimit``: the body is within the limit here."""
+
+    def __init__(self, app) -> None:  # noqa: ANN001
+        self.app = app
+        self.answered = 0
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http" or scope["path"] != HEARTBEAT_PATH or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        platform = request.app.state.platform
+        authorization = content_type = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-type":
+                content_type = value
+        cache = _reply_cache(request, platform) if platform is not None else None
+        if cache is None or authorization is None or content_type is None \
+                or not content_type.split(b";", 1)[0].strip().lower() == b"application/json":
+            return await self.app(scope, receive, send)
+        scheme, token = get_authorization_scheme_param(authorization.decode("latin-1"))
+        if scheme.lower() != "bearer" or not token:
+            return await self.app(scope, receive, send)
+        principal = deps._token_cache(request, platform).get(token, version=deps._tokens_version(platform))
+        if principal is None or principal.kind != "agent":
+            return await self.app(scope, receive, send)
+
+        messages = []
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+
+        async def replay():  # noqa: ANN202 - the body as read, then the connection's own messages
+            return messages.pop(0) if messages else await receive()
+
+        if messages[-1]["type"] != "http.request":  # the client went away
+            return await self.app(scope, replay, send)
+        try:
+            hb = Heartbeat.model_validate(json.loads(b"".join(m.get("body", b"") for m in messages)))
+            agent_service.check_version(hb.protocol_version)
+        except Exception:  # noqa: BLE001 - the route refuses it with its own error
+            return await self.app(scope, replay, send)
+        if hb.wait_s > 0:
+            return await self.app(scope, replay, send)
+        notifier = platform.notifier
+        steady = cache.lookup(hb, version=notifier.version(notify.node_topic(hb.node)), epoch=notifier.epoch)
+        if steady is None or not cache.answer(hb, steady):
+            return await self.app(scope, replay, send)
+        self.answered += 1
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(steady.body)).encode()),
+                                (b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": steady.body})
+
+
+class QuietHeartbeats(logging.Filter):
+    """Drops uvicorn's access-log line of an agent heartbeat answered with 2xx (issue 12): at
+    1,250 nodes that is 1,250 lines a second saying nothing (the node's liveness is in the
+    database and on the nodes page); a refused heartbeat is still logged. It runs before the
+    token redaction (``guards.install_redaction``), whose regular expression the dropped lines
+    then skip: the access line, its redaction and its write were ~16% of a worker's event loop
+    during a fan-in (py-spy ``--gil``). ``HAI_AGENT__ACCESS_LOG_HEARTBEATS=true`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn: access_logger.info('%s - "%s %s HTTP/%s" %d', client, method, path, version, status)
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) == 5 and args[2] == HEARTBEAT_PATH
+                    and args[1] == "POST" and isinstance(args[4], int) and 200 <= args[4] < 300)
+
+
+def quiet_heartbeat_access_log() -> None:
+    logger = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, QuietHeartbeats) for f in logger.filters):
+        logger.filters.insert(0, QuietHeartbeats())  # first: before the redaction's work
