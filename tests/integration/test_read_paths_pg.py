@@ -77,6 +77,22 @@ def test_job_list_counts_only_as_far_as_is_cheap(sessions, monkeypatch):
         assert (lambda p: (p.total, p.total_exact))(list_jobs(session=s, limit=2, before_id=3)) == (6, True)
 
 
+def test_job_list_offset_pages_are_slices_of_the_list(sessions):
+    """Deep pages read the offset's ids first (the index only), then the page's rows: the same
+    jobs, newest first, as slicing the whole filtered list, with filters and below ``before_id``."""
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        for kw in ({}, {"user_name": "alice"}, {"state": [JobState.QUEUED]}, {"user_name": "bob", "state": [JobState.QUEUED]},
+                   {"before_id": 5}, {"before_id": 6, "user_name": "bob"}):
+            whole = [r["id"] for r in list_jobs(session=s, limit=50, **kw).rows]
+            for offset in range(len(whole) + 1):
+                page = list_jobs(session=s, limit=2, offset=offset, **kw)
+                assert [r["id"] for r in page.rows] == whole[offset:offset + 2], (kw, offset)
+                assert all(set(r.keys()) >= {"id", "name", "env", "user_id"} for r in page.rows)
+        assert [r["id"] for r in list_jobs(session=s, limit=2, offset=1, user_name="alice").rows] == [3, 1]
+
+
 def test_job_list_page_reads_events_placement_and_masks(sessions):
     now = datetime.now(timezone.utc)
     with sessions() as s:
