@@ -83,8 +83,8 @@ def test_job_list_offset_pages_are_slices_of_the_list(sessions):
     now = datetime.now(timezone.utc)
     with sessions() as s:
         _seed(s, now)
-        for kw in ({}, {"user_name": "alice"}, {"state": [JobState.QUEUED]}, {"user_name": "bob", "state": [JobState.QUEUED]},
-                   {"before_id": 5}, {"before_id": 6, "user_name": "bob"}):
+        for kw in ({}, {"user_name": "alice"}, {"state": [JobState.QUEUED]},
+                   {"user_name": "bob", "state": [JobState.QUEUED]}, {"before_id": 5}, {"before_id": 6, "user_name": "bob"}):
             whole = [r["id"] for r in list_jobs(session=s, limit=50, **kw).rows]
             for offset in range(len(whole) + 1):
                 page = list_jobs(session=s, limit=2, offset=offset, **kw)
