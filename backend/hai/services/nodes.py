@@ -112,10 +112,11 @@ FROM nodes n LEFT JOIN (
 
 def list_nodes_json(*, session: Session) -> bytes:
     """The light node list (``list_nodes(gpu_metrics=False)``) as the JSON document the API serves.
-    On PostgreSQL the database writes it in one statement (at 1,250 nodes the Python path cost
-    ~12 ms of CPU in row fetching, dicts and serialisation, the database ~15 ms building the text;
-    issue 12); on SQLite the rows go through pydantic-core: SQLite writes a REAL in JSON with 15
-    significant digits (``33.3333333333333`` for 33.333333333333336), not the same document."""
+    On PostgreSQL the database writes it in one statement: at 1,250 nodes the rows through
+    SQLAlchemy, psycopg, dicts and pydantic-core cost the server ~20-25 ms of CPU per request (the
+    database ~6-10), the statement costs the server ~1.5 ms (the database ~15-20; issue 12). On
+    SQLite the rows go through pydantic-core: SQLite writes a REAL in JSON with 15 significant
+    digits (``33.3333333333333`` for 33.333333333333336), not the same document."""
     if session.get_bind().dialect.name == "postgresql":
         return session.connection().execute(_NODE_LIST_JSON_PG).scalar_one().encode()
     return to_json(list_nodes(session=session))
