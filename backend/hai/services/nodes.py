@@ -77,9 +77,9 @@ def list_nodes(*, session: Session, gpu_metrics: bool = False) -> list[dict[str,
 # ``YYYY-MM-DDTHH:MM:SS[.ffffff]Z``, floats in their shortest form with ``.0`` on integral values
 # below 1e15 (PostgreSQL writes ``40``) and exponents unpadded (``1.5e-7``, PostgreSQL ``1.5e-07``);
 # from 1e15 to 1e16 PostgreSQL writes ``1e+15`` for Python's ``1000000000000000.0``, the same
-# number (a GPU utilisation is 0-100). Every column concatenated is NOT NULL but the two coalesced here: a NULL
-# would make its node's text NULL and string_agg would skip the node. (``\:`` is a literal colon
-# for SQLAlchemy's text().)
+# number (a GPU utilisation is 0-100). Every column concatenated is NOT NULL but the two
+# coalesced here: a NULL would make its node's text NULL and string_agg would skip the node.
+# (``\:`` is a literal colon for SQLAlchemy's text().)
 _NODE_LIST_JSON_PG = text(r"""
 SELECT '[' || coalesce(string_agg(
     '{"name"\:' || to_json(n.name)::text
