@@ -77,6 +77,22 @@ def test_job_list_counts_only_as_far_as_is_cheap(sessions, monkeypatch):
         assert (lambda p: (p.total, p.total_exact))(list_jobs(session=s, limit=2, before_id=3)) == (6, True)
 
 
+def test_job_list_offset_pages_are_slices_of_the_list(sessions):
+    """Deep pages read the offset's ids first (the index only), then the page's rows: the same
+    jobs, newest first, as slicing the whole filtered list, with filters and below ``before_id``."""
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        for kw in ({}, {"user_name": "alice"}, {"state": [JobState.QUEUED]},
+                   {"user_name": "bob", "state": [JobState.QUEUED]}, {"before_id": 5}, {"before_id": 6, "user_name": "bob"}):
+            whole = [r["id"] for r in list_jobs(session=s, limit=50, **kw).rows]
+            for offset in range(len(whole) + 1):
+                page = list_jobs(session=s, limit=2, offset=offset, **kw)
+                assert [r["id"] for r in page.rows] == whole[offset:offset + 2], (kw, offset)
+                assert all(set(r.keys()) >= {"id", "name", "env", "user_id"} for r in page.rows)
+        assert [r["id"] for r in list_jobs(session=s, limit=2, offset=1, user_name="alice").rows] == [3, 1]
+
+
 def test_job_list_page_reads_events_placement_and_masks(sessions):
     now = datetime.now(timezone.utc)
     with sessions() as s:
@@ -108,3 +124,52 @@ def test_node_list_aggregates_active_allocations(sessions):
         full = {r["name"]: r for r in node_service.list_nodes(session=s, gpu_metrics=True)}
         assert full["n0"]["gpu_metrics"][0] == {"index": 0, "uuid": "G0", "model": "A100", "util_pct": 80.0}
         assert [g["index"] for g in full["n0"]["gpu_metrics"]] == list(range(8)) and full["n1"]["gpu_metrics"] == []
+
+
+def test_node_list_document_is_the_serialised_rows(sessions):
+    """The light node list as served (on PostgreSQL written by the database in one statement):
+    byte for byte pydantic-core's serialisation of list_nodes' rows, and equal to the
+    model-validated list, with the values whose text forms differ between PostgreSQL and Python:
+    escaped strings, datetimes with and without microseconds, integral and repeating floats."""
+    from pydantic_core import to_json
+
+    from hai.schemas.common import NodeRead
+
+    now = datetime(2026, 12, 2, 11, 0, 0, tzinfo=timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        n0 = s.query(Node).filter_by(name="n0").one()
+        n0.last_heartbeat_at = now  # no microseconds: "...T11:00:00Z"
+        n0.state_reason = 'disk "full" \\ tab\there\nline \x01 é 😀'
+        s.add_all([
+            Node(name="a-first-by-name", zone="Z", leaf="Z1", gpus=4, fake_gpus=True, gpu_util_pct=100 / 3,
+                 gpus_busy=1, last_heartbeat_at=now + timedelta(microseconds=123450), address="10.0.0.7"),
+            Node(name="m", zone="A", leaf="A0", gpus=2, gpu_util_pct=0.1 + 0.2, state="draining",
+                 last_heartbeat_at=now - timedelta(days=400, microseconds=1)),
+            Node(name="tiny", zone="A", leaf="A0", gpus=1, gpu_util_pct=1.5e-7),
+            Node(name="zero", zone="A", leaf="A1", gpus=1, gpu_util_pct=0.0),
+        ])
+        # job 4's allocation inserted after jobs 5 and 6 on n0: the list sorts the ids
+        s.add(JobAllocation(job_id=4, attempt=1, node_name="n0", node_rank=0, gpus=[7]))
+        s.commit()
+        served = node_service.list_nodes_json(session=s)
+        assert served == to_json(node_service.list_nodes(session=s))
+        nodes = __import__("json").loads(served)
+        assert nodes == [NodeRead.model_validate(n).model_dump(mode="json") for n in nodes]
+        assert [n["name"] for n in nodes] == ["m", "tiny", "n0", "zero", "n1", "a-first-by-name"]
+        by = {n["name"]: n for n in nodes}
+        assert (by["n0"]["free_gpus"], by["n0"]["running_jobs"]) == (2, [4, 5, 6])
+        assert by["n0"]["last_heartbeat_at"] == "2026-12-02T11:00:00Z"
+        assert by["n0"]["state_reason"] == 'disk "full" \\ tab\there\nline \x01 é 😀'
+        assert by["a-first-by-name"]["last_heartbeat_at"] == "2026-12-02T11:00:00.123450Z"
+        assert by["a-first-by-name"]["gpu_util_pct"] == 100 / 3 and by["m"]["gpu_util_pct"] == 0.1 + 0.2
+        assert b'"gpu_util_pct":0.0,' in served and b'"gpu_util_pct":40.0,' in served
+        assert b'"gpu_util_pct":1.5e-7,' in served
+        assert (by["n1"]["last_heartbeat_at"], by["n1"]["gpu_util_pct"], by["n1"]["running_jobs"]) == (None, None, [5])
+        s.execute(JobAllocation.__table__.delete())
+        s.execute(Node.__table__.delete().where(Node.name != "n1"))
+        s.commit()
+        assert node_service.list_nodes_json(session=s) == to_json(node_service.list_nodes(session=s))
+        s.execute(Node.__table__.delete())
+        s.commit()
+        assert node_service.list_nodes_json(session=s) == b"[]"

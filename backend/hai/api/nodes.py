@@ -8,7 +8,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
 from pydantic import TypeAdapter
-from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import AdminUser, CurrentUser, PlatformDep, SessionDep
@@ -81,13 +80,13 @@ def list_nodes(
 ) -> Response:
     """Every node with its state, free GPUs, running jobs and GPU utilisation (mean and busy count);
     per-GPU figures only with `include=gpu_metrics` (issue 12: they were nearly all of this list's cost)."""
-    with_gpus = NodeInclude.GPU_METRICS in (include or ())
-    rows = node_service.list_nodes(session=session, gpu_metrics=with_gpus)
-    if with_gpus:  # the agents' JSON documents: validated into GpuRead (its fields, its defaults)
+    if NodeInclude.GPU_METRICS in (include or ()):  # the agents' JSON documents: validated into GpuRead
+        rows = node_service.list_nodes(session=session, gpu_metrics=True)
         return Response(_NODE_LIST.dump_json(_NODE_LIST.validate_python(rows)), media_type="application/json")
-    # typed columns in NodeRead's field order: serialised as they are by pydantic-core (validating
-    # 1,250 nodes into models first cost 4x the serialisation; tests/api compare both forms)
-    return Response(to_json(rows), media_type="application/json")
+    # NodeRead's fields unvalidated, in its field order: on PostgreSQL the database writes the
+    # document, on SQLite pydantic-core serialises the typed columns (tests compare both forms
+    # with the model-validated list)
+    return Response(node_service.list_nodes_json(session=session), media_type="application/json")
 
 
 @router.get("/{name}", response_model=NodeDetail)

@@ -9,12 +9,14 @@ counted only as far as it is cheap (``COUNT_CAP``); see ``list_jobs``."""
 from __future__ import annotations
 
 import enum
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, func, literal, select
+from pydantic_core import from_json
+from sqlalchemy import JSON, Integer, Row, Text, bindparam, cast, func, literal, select
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job, JobAllocation, JobEvent, Node
@@ -90,8 +92,18 @@ class CountMode(str, enum.Enum):
 # unless ``count=exact`` is asked: counting 10,000 index entries costs ~2 ms, 100,000 ~16 ms
 COUNT_CAP = 10_000
 
-# the columns a JobRead needs (events and placement are read separately), and user_id for masking
-_LIST_COLUMNS = [Job.__table__.c[column] for field, column in _FIELDS if field != "events"] + [Job.user_id]
+# the columns a JobRead needs (events and placement are read separately), and user_id for masking;
+# the JSON columns as their text, parsed by pydantic-core (``_json``): psycopg's loader (the
+# standard library's json.loads of bytes) cost ~3 ms per page of 50 jobs at load ~7, ~13x
+# pydantic-core's parser (issue 12)
+_JSON_COLUMNS = {column for field, column in _FIELDS if field != "events" and isinstance(Job.__table__.c[column].type, JSON)}
+_LIST_COLUMNS = [cast(Job.__table__.c[column], Text).label(column) if column in _JSON_COLUMNS else Job.__table__.c[column]
+                 for field, column in _FIELDS if field != "events"] + [Job.user_id]
+
+
+def _json(text: str | None) -> Any:
+    """A JSON column's value from its text (SQL NULL: None)."""
+    return None if text is None else from_json(text)
 
 
 @dataclass
@@ -118,31 +130,79 @@ def list_jobs(
     that stops there); otherwise it is that cap and ``total_exact`` is false ("more than
     ``total``"), unless ``count`` is ``exact``. Counts and pages read the list's indexes
     (ix_jobs_state_id, ix_jobs_user_name_id, ix_jobs_user_name_state_id)."""
-    where = []
+    params: dict[str, Any] = {"limit": limit, "offset": offset}
     if state:
-        where.append(Job.state.in_([s.value for s in state]))
+        params["states"] = [s.value for s in state]
     if user_name:
-        where.append(Job.user_name == user_name)
-    cap = None if count == CountMode.EXACT else max(COUNT_CAP, offset + limit)
-    # the count rides along with the page (an uncorrelated subquery: evaluated once, one round trip)
-    page = select(*_LIST_COLUMNS, _count(where, cap).scalar_subquery().label("_counted")).where(*where)
+        params["user_name"] = user_name
     if before_id is not None:
-        page = page.where(Job.id < before_id)
+        params["before_id"] = before_id
+    cap = None if count == CountMode.EXACT else max(COUNT_CAP, offset + limit)
+    if cap is not None:
+        params["count_limit"] = cap + 1
+    shape = (bool(state), bool(user_name), before_id is not None, cap is None)
     conn = session.connection()  # Core statements: the ORM's per-statement compile state is not needed
-    rows = list(conn.execute(page.order_by(Job.id.desc()).limit(limit).offset(offset)).mappings())
+    rows = list(conn.execute(_page_statement(*shape, deep=offset > 0), params).mappings())
     if before_id is None and len(rows) < limit and (rows or offset == 0):
         return JobPage(rows, offset + len(rows), True)  # the last page: every job is before it or on it
-    counted = int(rows[0]["_counted"] if rows else conn.scalar(_count(where, cap)) or 0)
+    if rows:
+        counted = int(rows[0]["_counted"])
+    else:  # a page past the end
+        counted = int(conn.scalar(_count_statement(shape[0], shape[1], cap is None), params) or 0)
     if cap is None or counted <= cap:
         return JobPage(rows, counted, True)
     return JobPage(rows, cap, False)
 
 
-def _count(where: list, cap: int | None):  # noqa: ANN202
-    """count(*) of the jobs ``where`` selects, stopping after ``cap`` + 1 of them (None: all)."""
-    if cap is None:
+# The list's statements, one per shape of the request (which filters, keyset or not, bounded count
+# or exact, deep page or not; 32 at most), built once with bound parameters: building the page's
+# select of 32 columns with its count and generating its cache key cost ~1 ms of CPU per request
+# (issue 12). The SQL sent is the same as when built per request.
+def _filters(by_state: bool, by_user: bool) -> list:
+    where = []
+    if by_state:
+        where.append(Job.state.in_(bindparam("states", expanding=True)))
+    if by_user:
+        where.append(Job.user_name == bindparam("user_name"))
+    return where
+
+
+@functools.cache
+def _count_statement(by_state: bool, by_user: bool, exact: bool):  # noqa: ANN202
+    """count(*) of the jobs the filters select (not only below ``before_id``), stopping after
+    ``count_limit`` of them unless ``exact``."""
+    where = _filters(by_state, by_user)
+    if exact:
         return select(func.count()).select_from(Job).where(*where)
-    return select(func.count()).select_from(select(literal(1)).select_from(Job).where(*where).limit(cap + 1).subquery())
+    bounded = select(literal(1)).select_from(Job).where(*where).limit(bindparam("count_limit", type_=Integer))
+    return select(func.count()).select_from(bounded.subquery())
+
+
+@functools.cache
+def _page_statement(by_state: bool, by_user: bool, below: bool, exact: bool, *, deep: bool):  # noqa: ANN202
+    """The page, newest first, with the count riding along (an uncorrelated subquery: evaluated
+    once, one round trip)."""
+    where = _filters(by_state, by_user)
+    counted = _count_statement(by_state, by_user, exact).scalar_subquery().label("_counted")
+    keyset = [Job.id < bindparam("before_id", type_=Integer)] if below else []
+    if deep:
+        # a deep page: the offset walks the list's index only (ids), then the page's rows are read;
+        # walking whole rows read 5,000 rows of the heap for ?offset=5000 (issue 12)
+        ids = (select(Job.id).where(*where, *keyset).order_by(Job.id.desc())
+               .limit(bindparam("limit", type_=Integer)).offset(bindparam("offset", type_=Integer)))
+        page = select(*_LIST_COLUMNS, counted).where(Job.id.in_(ids.scalar_subquery()))
+    else:
+        page = select(*_LIST_COLUMNS, counted).where(*where, *keyset).limit(bindparam("limit", type_=Integer))
+    return page.order_by(Job.id.desc())
+
+
+_EVENTS = (select(JobEvent.job_id, JobEvent.at, JobEvent.from_state, JobEvent.to_state, JobEvent.reason)
+           .where(JobEvent.job_id.in_(bindparam("ids", expanding=True))).order_by(JobEvent.id))
+_PLACEMENTS = (select(JobAllocation.job_id, JobAllocation.node_name, cast(JobAllocation.gpus, Text), Node.zone, Node.leaf)
+               .join(Job, Job.id == JobAllocation.job_id)
+               .outerjoin(Node, Node.name == JobAllocation.node_name)
+               .where(JobAllocation.job_id.in_(bindparam("ids", expanding=True)), JobAllocation.attempt == Job.attempt)
+               .order_by(JobAllocation.job_id, JobAllocation.node_rank))
 
 
 def job_list_page(*, session: Session, page: JobPage, viewer: Principal | None = None) -> JobList:
@@ -156,27 +216,19 @@ def job_list_page(*, session: Session, page: JobPage, viewer: Principal | None =
     placements: dict[int, list[dict]] = defaultdict(list)
     if ids:
         conn = session.connection()
-        for job_id, at, from_state, to_state, reason in conn.execute(
-            select(JobEvent.job_id, JobEvent.at, JobEvent.from_state, JobEvent.to_state, JobEvent.reason)
-            .where(JobEvent.job_id.in_(ids)).order_by(JobEvent.id)
-        ):
+        for job_id, at, from_state, to_state, reason in conn.execute(_EVENTS, {"ids": ids}):
             events[job_id].append({"at": at, "from_state": from_state, "to_state": to_state, "reason": reason})
-        for job_id, node, gpus, zone, leaf in conn.execute(
-            select(JobAllocation.job_id, JobAllocation.node_name, JobAllocation.gpus, Node.zone, Node.leaf)
-            .join(Job, Job.id == JobAllocation.job_id)
-            .outerjoin(Node, Node.name == JobAllocation.node_name)
-            .where(JobAllocation.job_id.in_(ids), JobAllocation.attempt == Job.attempt)
-            .order_by(JobAllocation.job_id, JobAllocation.node_rank)
-        ):
+        for job_id, node, gpus, zone, leaf in conn.execute(_PLACEMENTS, {"ids": ids}):
             placements[job_id].append({"node": node, "zone": zone or _UNKNOWN[0], "leaf": leaf or _UNKNOWN[1],
-                                       "gpus": gpus})
+                                       "gpus": _json(gpus)})
     mask = viewer is not None and not viewer.is_admin
     items = []
     for r in page.rows:
-        data = {field: r[column] for field, column in _FIELDS if field != "events"}
-        env = r["env"] or {}
+        data = {field: _json(r[column]) if column in _JSON_COLUMNS else r[column]
+                for field, column in _FIELDS if field != "events"}
+        env = data["env"] or {}
         data["env"] = dict.fromkeys(env, HIDDEN) if mask and r["user_id"] != viewer.user_id else env
-        data["tags"] = r["tags"] or []
+        data["tags"] = data["tags"] or []
         data["events"] = events.get(r["id"], [])
         data["placement"] = placements.get(r["id"], [])
         items.append(data)
