@@ -53,8 +53,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         if app.state.platform is None:
             app.state.platform = Platform.from_settings(settings or get_settings())
         app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
-        if not app.state.platform.settings.agent.access_log_heartbeats:
-            agent.quiet_heartbeat_access_log()  # issue 12: before the redaction filter
+        # issue 12: 2xx heartbeats left out of the access log (before the redaction filter)
+        agent.quiet_heartbeat_access_log(not app.state.platform.settings.agent.access_log_heartbeats)
         guards.install_redaction()
         yield
         if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness

@@ -191,7 +191,13 @@ class QuietHeartbeats(logging.Filter):
                     and args[1] == "POST" and isinstance(args[4], int) and 200 <= args[4] < 300)
 
 
-def quiet_heartbeat_access_log() -> None:
+def quiet_heartbeat_access_log(quiet: bool = True) -> None:
+    """Install (or, for ``HAI_AGENT__ACCESS_LOG_HEARTBEATS=true``, remove) the filter on uvicorn's
+    access logger, which is the process's: the last app started says."""
     logger = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, QuietHeartbeats) for f in logger.filters):
+    present = [f for f in logger.filters if isinstance(f, QuietHeartbeats)]
+    if quiet and not present:
         logger.filters.insert(0, QuietHeartbeats())  # first: before the redaction's work
+    elif not quiet:
+        for f in present:
+            logger.removeFilter(f)
