@@ -192,8 +192,10 @@ def test_a_horizon_too_many_transactions_old_makes_a_full_read(api):
         api.submit(gpus_per_node=8, name=f"j{i}")
     cache = scheduling.QueueCache()
     _same(api, cache)
-    assert _same(api, cache) == 0 and cache.full_reads == 1
+    _same(api, cache)  # (how many rows an incremental read takes depends on every open transaction
+    assert cache.full_reads == 1  # of the server, other databases' too: not asserted here)
     cache.mark -= scheduling.PG_HORIZON_MAX_AGE + 1  # as if ~1e9 transactions had run since
     rows = _same(api, cache)
     assert cache.full_reads == 2 and rows == len(cache.jobs) == 3
-    assert _same(api, cache) == 0 and cache.full_reads == 2  # a fresh horizon again
+    _same(api, cache)
+    assert cache.full_reads == 2  # a fresh horizon again: incremental
