@@ -300,7 +300,7 @@ class _Cycle:
         classes: Iterable = self._class_stream(rank) if self.classes else repeat(0)
         todo: Iterable
         if lane_on and isinstance(jobs, Level):  # the kept queue: keys kept, hits in bulk
-            todo = self._lane_misses(jobs, ts_since, lane, pend, owned, pt)
+            todo = self._lane_misses(jobs, ts_since, lane, pend, self._kept_q.positions(jobs, chain(owned, pt)))
         else:
             if lane_on:
                 keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
@@ -404,8 +404,8 @@ class _Cycle:
 
     @staticmethod
     def _lane_misses(
-        lv: Level, ts_since: float, lane: dict, pend: dict[int, str], owned: dict, pt: dict
-    ) -> Iterable[tuple[QueuedJob, tuple, int]]:
+        lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
+    ) -> Iterable[tuple[QueuedJob, int, int]]:
         """The fast lane over a kept level: the jobs whose lane key the lane does not hold (or
         that are not plain), as (job, key, class) for the ladder of ``_nominate_level``; the
         others take their outcome here, a chunk at a time, without reading the job objects
@@ -413,15 +413,29 @@ class _Cycle:
         hits is a run of them). Resumed after the ladder handled each yielded job, so every
         chunk is looked up in the lane as that job left it. The key is the kept key (an even int
         per lane key and class) plus 1 past the wait threshold: the same facts as the
-        from-scratch key."""
+        from-scratch key.
+
+        ``specials``: block -> positions of the jobs that owned reserved nodes or had jobs
+        suspending for them when the level began (a superset of the jobs that are not plain
+        when their turn comes: during a level only the job whose turn it is claims nodes);
+        they go to the ladder one by one, which tells plain from not."""
         lane_get = lane.get
-        for b in lv.blocks:
+        for bi, b in enumerate(lv.blocks):
             jobs, ids, kk, qat, cls = b.jobs, b.ids, b.keys, b.qat, b.cls
             n = len(jobs)
+            stops = specials.get(bi, [])
+            stops.append(n)
+            si = 0
             i = 0
             step = 8
             while i < n:
-                e = min(n, i + step)
+                stop = stops[si]
+                if i == stop:  # not plain, maybe: the ladder decides
+                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
+                    i += 1
+                    si += 1
+                    continue
+                e = min(stop, i + step)
                 hits = list(map(lane_get, map(add, kk[i:e], map(le, qat[i:e], repeat(ts_since)))))
                 try:
                     k = hits.index(None)
@@ -429,15 +443,11 @@ class _Cycle:
                     k = e - i
                 if k:
                     m = i + k
-                    if (owned and not owned.keys().isdisjoint(ids[i:m])) or (pt and not pt.keys().isdisjoint(ids[i:m])):
-                        for q in range(i, m):  # a job with a reservation or a suspension: one by one
-                            yield jobs[q], kk[q] + (qat[q] <= ts_since), cls[q]
-                    else:
-                        if k < len(hits):
-                            del hits[k:]
-                        pend.update(zip(ids[i:m], map(_FIRST, hits)))
-                        gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
-                        deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
+                    if k < len(hits):
+                        del hits[k:]
+                    pend.update(zip(ids[i:m], map(_FIRST, hits)))
+                    gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
+                    deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
                     i = m
                 if i < e:  # a miss
                     yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]

@@ -22,10 +22,11 @@ builds the order again (sorting is then cheaper than the updates).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
 from itertools import chain, compress
 from operator import attrgetter, is_, not_
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from hai.domain.scheduler.model import Policy, QueuedJob, Snapshot
 from hai.domain.scheduler.victims import rank as _rank
@@ -38,15 +39,18 @@ _SPLIT = 2048  # a block holding more jobs is split in two
 class Block:
     """A run of consecutive jobs of one level, in queue order, as parallel lists: the job, its
     id, its lane key (``KeptQueue._key``), when it was queued, its service class, and its sort
-    key (class, first submission, id)."""
+    key (class, first submission, id). Ids and queued times are arrays of machine numbers (a
+    pass over them reads contiguous memory, not one object per job, which in queue order lie
+    scattered)."""
 
     __slots__ = ("jobs", "ids", "keys", "qat", "cls", "sk")
 
     def __init__(self) -> None:
         self.jobs: list[QueuedJob] = []
-        self.ids: list[int] = []
-        self.keys: list[tuple] = []
-        self.qat: list[float] = []
+        # ids and queued times as machine numbers: read without touching an object per job
+        self.ids = array("q")
+        self.keys: list[int] = []
+        self.qat = array("d")
         self.cls: list[int] = []
         self.sk: list[tuple[int, float, int]] = []
 
@@ -113,15 +117,24 @@ class Level:
         self.counts[c] = self.counts.get(c, 0) + 1
         self.size += 1
 
-    def remove(self, job: QueuedJob, c: int) -> bool:
+    def locate(self, job: QueuedJob, c: int) -> tuple[int, int] | None:
+        """(block, position in it) of a kept job of this level; None: not kept here."""
         sk = (c, job.first_submitted_at, job.id)
         bi = bisect_left(self.last, sk)
         if bi == len(self.blocks):
-            return False
+            return None
         b = self.blocks[bi]
         pos = bisect_left(b.sk, sk)
         if pos == len(b.jobs) or b.jobs[pos] is not job:
+            return None
+        return bi, pos
+
+    def remove(self, job: QueuedJob, c: int) -> bool:
+        got = self.locate(job, c)
+        if got is None:
             return False
+        bi, pos = got
+        b = self.blocks[bi]
         b.delete(pos)
         if b.jobs:
             self.last[bi] = b.sk[-1]
@@ -255,6 +268,19 @@ class KeptQueue:
             if job.reserved_nodes:
                 self._reserved[job.id] = job
         self.added, self.removed = len(queued), 0
+
+    def positions(self, lv: Level, job_ids: Iterable[int]) -> dict[int, list[int]]:
+        """Block -> the sorted positions in it (each once) of those of ``job_ids`` that are kept
+        in ``lv``."""
+        out: dict[int, list[int]] = {}
+        for jid in job_ids:
+            job = self._byid.get(jid)
+            if job is None or _rank(job.priority) != lv.rank:
+                continue
+            got = lv.locate(job, self._class(job))
+            if got is not None:
+                out.setdefault(got[0], []).append(got[1])
+        return {bi: sorted(set(lst)) for bi, lst in out.items()}
 
     def reserved(self) -> list[QueuedJob]:
         """The kept jobs with reserved nodes (in no particular order)."""
