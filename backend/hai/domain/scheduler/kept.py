@@ -223,8 +223,7 @@ class KeptQueue:
             changed = list(compress(queued, map(not_, same)))  # arrived, or a new object (its row changed)
             gone = [byid[j.id] for j in changed if j.id in byid]
             if len(gone) < len(byid) - n_same:  # and the kept jobs no longer queued
-                present = set(ids)
-                gone += [j for i, j in byid.items() if i not in present]
+                gone += map(byid.__getitem__, byid.keys() - set(ids))
             ok = True
             for job in gone:
                 ok = self._remove(job) and ok
