@@ -9,6 +9,10 @@ runs under ``valgrind --tool=callgrind``, one building the snapshot and running 
 running 3: the difference over 2 is the count of one cycle (the build, the imports and the
 interpreter's start cancel out). Prints one JSON object.
 
+``--nodes/--running/--queued``: another size (the 10k cycle of issue 12: ``--nodes 10000
+--running 20000 --queued 100000 --cycles 2``, a few minutes). ``--kept``: the cycles with the
+queue kept across them (``KeptQueue``), built by a first cycle in both runs.
+
 ``--settings``: as ``scheduler_cycle.py --settings``, the policy from the ``HAI_SCHEDULER__*``
 settings and the queued jobs with attained service (e.g. the recommended least-attained-service
 classes of issue 16):
@@ -31,29 +35,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-def _inner(cycles: int, settings: bool) -> None:
+def _inner(cycles: int, settings: bool, size: tuple[int, int, int] = (1250, 2000, 10000), kept: bool = False) -> None:
     sys.path.insert(0, str(ROOT.parent / "backend"))
     sys.path.insert(0, str(ROOT))
     from scheduler_cycle import NOW, build_snapshot, with_attained_service
 
-    from hai.domain.scheduler import Policy, schedule
-    from hai.settings import get_settings
+    from hai.domain.scheduler import KeptQueue, Policy, schedule
 
-    snap = build_snapshot(1250, 2000, 10000, 0)
+    snap = build_snapshot(*size, 0)
     policy = Policy()
     if settings:
+        from hai.settings import get_settings
+
         policy = get_settings().scheduler.policy()
         snap = with_attained_service(snap, 0)
+    queue = None
+    if kept:  # built by a first cycle in both runs: it cancels out
+        queue = KeptQueue()
+        schedule(snap, policy, NOW, kept=queue)
     for _ in range(cycles):
-        schedule(snap, policy, NOW)
+        schedule(snap, policy, NOW, kept=queue)
 
 
-def _count(cycles: int, settings: bool) -> int:
+def _count(cycles: int, settings: bool, extra: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cg.out")
         subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, __file__,
-             "--inner", str(cycles), *(["--settings"] if settings else [])],
+             "--inner", str(cycles), *(["--settings"] if settings else []), *extra],
             check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": "0"},
         )  # fmt: skip
         text = Path(out).read_text()
@@ -66,13 +75,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--settings", action="store_true", help="the policy from HAI_SCHEDULER__* (default: Policy())")
+    ap.add_argument("--nodes", type=int, default=1250)
+    ap.add_argument("--running", type=int, default=2000)
+    ap.add_argument("--queued", type=int, default=10000)
+    ap.add_argument("--kept", action="store_true", help="cycles with the queue kept across them (KeptQueue)")
+    ap.add_argument("--cycles", type=int, default=3, help="cycles of the second run (the first runs 1)")
     args = ap.parse_args()
+    size = (args.nodes, args.running, args.queued)
     if args.inner is not None:
-        _inner(args.inner, args.settings)
+        _inner(args.inner, args.settings, size, args.kept)
         return
-    one, three = _count(1, args.settings), _count(3, args.settings)
-    out = {"instructions_per_cycle": (three - one) // 2, "run_1_cycle": one, "run_3_cycles": three}
-    print(json.dumps({"policy": "settings" if args.settings else "default", **out}))
+    extra = ["--nodes", str(args.nodes), "--running", str(args.running), "--queued", str(args.queued)]
+    extra += ["--kept"] if args.kept else []
+    one, many = _count(1, args.settings, extra), _count(args.cycles, args.settings, extra)
+    out = {"instructions_per_cycle": (many - one) // (args.cycles - 1), "run_1_cycle": one, f"run_{args.cycles}_cycles": many}
+    print(json.dumps({"policy": "settings" if args.settings else "default", "size": list(size), "kept": args.kept, **out}))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ the burst numbers.
 suspensions, demotions, reservations and every pending reason, in order), to show that a change
 of the scheduler's code changed no decision on this snapshot.
 
+``--kept``: the steady cycle with the queue kept across cycles (``KeptQueue``, built by a
+first, untimed cycle). ``--changing N``: then N cycles over snapshots that change between
+cycles (``next_snapshot``: arrivals, ends, the cycle's own starts, suspensions, reservations
+and demotions applied), each timed with the kept queue and from scratch on the same snapshot
+(alternating which goes first), with a count of cycles whose decisions differ (must be 0).
+
 ``--settings``: the policy from the ``HAI_SCHEDULER__*`` settings instead of the defaults (e.g.
 least attained service, issue 16); the queued jobs then carry attained service from earlier
 attempts (a seeded draw: 60% none, the rest log-uniform up to 10^7 GPU-seconds), so the queue
@@ -134,6 +140,117 @@ def with_attained_service(snap: Snapshot, seed: int) -> Snapshot:
     return replace(snap, queued=tuple(replace(q, attained_gpu_s=a) for q, a in zip(snap.queued, att)))
 
 
+def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, arrivals: int, ends: int,
+                  next_id: int) -> tuple[Snapshot, int]:
+    """The snapshot a service would read ``dt`` seconds after persisting ``d`` (at ``now``), as
+    the live service's QueueCache builds it: a queued job whose row did not change is the very
+    same object as before (a changed one is a new object). The cycle's starts run (STARTING),
+    its suspensions are asked for (SUSPENDING, for their job) and its demotions applied, its
+    reservations stored on the queued jobs; half of the jobs already suspending give their GPUs
+    back and re-enter the queue (their attained service grown); ``ends`` running jobs (at
+    random) end; ``arrivals`` new jobs are submitted. Returns the snapshot and the next job id."""
+    by_q = {q.id: q for q in snap.queued}
+    taken: dict[str, set[int]] = {}
+    freed: dict[str, set[int]] = {}
+    later = now + dt
+    running: list[RunningJob] = []
+    susp = {s.job_id: s.for_job_id for s in d.suspends}
+    dem = {m.job_id: m.to for m in d.demotions}
+    back: list[QueuedJob] = []
+    ending = set(rng.sample(range(len(snap.running)), min(ends, len(snap.running))))
+    for k, r in enumerate(snap.running):
+        if k in ending or (r.state is JobState.SUSPENDING and rng.random() < 0.5):
+            for a in r.allocations:
+                freed.setdefault(a.node, set()).update(a.gpus)
+            if k not in ending:  # suspended: back in the queue
+                back.append(QueuedJob(r.id, r.user, r.group, r.submitted_priority or r.priority, r.nodes,
+                                      r.gpus_per_node, r.first_submitted_at, later,
+                                      submitted_priority=r.submitted_priority, allow_cross_zone=r.allow_cross_zone,
+                                      attained_gpu_s=r.attained_gpu_s + (later - r.started_at) * r.gpu_count))
+            continue
+        if r.id in dem:
+            r = replace(r, priority=Priority(dem[r.id]))
+        if r.id in susp:
+            r = replace(r, state=JobState.SUSPENDING, suspend_requested_for=susp[r.id])
+        running.append(r)
+    for st in d.starts:
+        q = by_q[st.job_id]
+        for a in st.allocations:
+            taken.setdefault(a.node, set()).update(a.gpus)
+        running.append(RunningJob(q.id, q.user, q.group, q.priority, q.nodes, q.gpus_per_node, st.allocations,
+                                  JobState.STARTING, now, q.first_submitted_at, q.submitted_priority,
+                                  allow_cross_zone=q.allow_cross_zone, attained_gpu_s=q.attained_gpu_s))
+    nodes = tuple(
+        n if n.name not in freed and n.name not in taken else
+        NodeView(n.name, n.zone, n.leaf, n.gpus,
+                 tuple(sorted(g for g in set(n.free_gpus) | freed.get(n.name, set()) if g not in taken.get(n.name, ()))),
+                 n.schedulable)
+        for n in snap.nodes
+    )  # fmt: skip
+    started = {s.job_id for s in d.starts}
+    queued = []
+    for q in snap.queued:
+        if q.id in started:
+            continue
+        want = tuple(d.reservations.get(q.id, ()))
+        queued.append(q if q.reserved_nodes == want else replace(q, reserved_nodes=want))
+    users = sorted({q.user for q in snap.queued} | {r.user for r in snap.running}) or ["user000"]
+    group_of = {q.user: q.group for q in snap.queued}
+    for _ in range(arrivals):
+        (n, g), p, u = _pick(rng, SHAPES), _pick(rng, PRIOS), rng.choice(users)
+        queued.append(QueuedJob(next_id, u, group_of.get(u, "group00"), p, n, g, later, later))
+        next_id += 1
+    queued.extend(back)
+    queued.sort(key=lambda q: q.id)  # as the service reads them
+    return Snapshot(nodes, tuple(running), tuple(queued), snap.quotas, snap.usage), next_id
+
+
+def changing_cycles(args, snap: Snapshot, policy: Policy) -> dict:
+    """``--changing N``: N cycles over snapshots that change between cycles (``next_snapshot``),
+    each timed with the kept queue (``KeptQueue``) and from scratch on the very same snapshot,
+    in alternating order; the decisions must be identical."""
+    from decision_hash import canonical
+
+    from hai.domain.scheduler import KeptQueue
+
+    rng = random.Random(args.seed + 7)
+    kept = KeptQueue()
+    schedule(snap, policy, NOW, kept=kept)  # the first cycle builds the kept order (not timed)
+    t_kept, t_scratch, cpu_kept, cpu_scratch = [], [], [], []
+    now, next_id = NOW, 10_000_000
+    d = schedule(snap, policy, now)
+    differ = 0
+    for k in range(args.changing):
+        snap, next_id = next_snapshot(snap, d, now, args.dt, rng, args.arrivals, args.ends, next_id)
+        now += args.dt
+        for which in ((0, 1) if k % 2 else (1, 0)):
+            c0, t0 = time.process_time(), time.perf_counter()
+            got = schedule(snap, policy, now, kept=kept) if which else schedule(snap, policy, now)
+            t1, c1 = time.perf_counter(), time.process_time()
+            (t_kept if which else t_scratch).append((t1 - t0) * 1000)
+            (cpu_kept if which else cpu_scratch).append((c1 - c0) * 1000)
+            if which:
+                dk = got
+            else:
+                d = got
+        differ += canonical(dk) != canonical(d)
+    return {
+        "changing_cycles": args.changing,
+        "arrivals": args.arrivals,
+        "ends": args.ends,
+        "dt_s": args.dt,
+        "kept_median_ms": round(statistics.median(t_kept), 2),
+        "scratch_median_ms": round(statistics.median(t_scratch), 2),
+        "kept_cpu_median_ms": round(statistics.median(cpu_kept), 2),
+        "scratch_cpu_median_ms": round(statistics.median(cpu_scratch), 2),
+        "kept_rebuilds": kept.rebuilds,
+        "cycles_with_different_decisions": differ,
+        "last_starts": len(d.starts),
+        "last_suspends": len(d.suspends),
+        "last_queued": len(snap.queued),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=1250)
@@ -145,6 +262,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--settings", action="store_true", help="the policy from HAI_SCHEDULER__* (default: Policy())")
     ap.add_argument("--hash", action="store_true", help="also print the sha256 of the cycle's whole output (decision_hash.digest)")
+    ap.add_argument("--kept", action="store_true", help="time the steady cycle with a KeptQueue passed (built by an untimed first cycle)")
+    ap.add_argument("--changing", type=int, default=0, metavar="N",
+                    help="also N cycles over snapshots that change between cycles, kept queue against from scratch")
+    ap.add_argument("--arrivals", type=int, default=200, help="(--changing) jobs submitted between two cycles")
+    ap.add_argument("--ends", type=int, default=100, help="(--changing) running jobs that end between two cycles")
+    ap.add_argument("--dt", type=float, default=10.0, help="(--changing) seconds between two cycles")
     args = ap.parse_args()
 
     snap = build_snapshot(args.nodes, args.running, args.queued, args.seed)
@@ -154,9 +277,15 @@ def main() -> None:
         snap = with_attained_service(snap, args.seed)
     times = []
     d = None
+    kept = None
+    if args.kept:
+        from hai.domain.scheduler import KeptQueue
+
+        kept = KeptQueue()
+        schedule(snap, policy, NOW, kept=kept)
     for _ in range(args.repeat):
         t0 = time.perf_counter()
-        d = schedule(snap, policy, NOW)
+        d = schedule(snap, policy, NOW, kept=kept)
         times.append((time.perf_counter() - t0) * 1000)
     assert d is not None
     times.sort()
@@ -191,6 +320,10 @@ def main() -> None:
         "burst_ms": round(statistics.median(burst_times), 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if args.kept:
+        out["kept"] = True
+    if args.changing:
+        out.update(changing_cycles(args, snap, policy))
     if args.hash:  # starts, suspensions, demotions, reservations, every pending reason, in order
         from decision_hash import digest
 

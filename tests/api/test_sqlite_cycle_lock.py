@@ -37,11 +37,11 @@ def test_a_submission_commits_while_a_cycle_plans_and_the_next_cycle_places_it(a
     real = sched.schedule
     during: dict = {}
 
-    def planning(snapshot, policy, now):  # noqa: ANN001
+    def planning(snapshot, policy, now, **kw):  # noqa: ANN001, ANN003
         if not during:
             during["lock_free"] = _write_lock_free(db_path)
             during["submitted"] = api.submit(gpus_per_node=4, name="during-planning")["id"]
-        return real(snapshot, policy, now)
+        return real(snapshot, policy, now, **kw)
 
     monkeypatch.setattr(sched, "schedule", planning)
     loop = SchedulerLoop(api.platform)
@@ -68,11 +68,11 @@ def test_a_cycle_whose_leader_was_superseded_while_it_planned_writes_nothing(api
     job = api.submit(gpus_per_node=4)
     real = sched.schedule
 
-    def planning(snapshot, policy, now):  # noqa: ANN001
+    def planning(snapshot, policy, now, **kw):  # noqa: ANN001, ANN003
         with api.platform.sessions() as s:  # another scheduler took over meanwhile
             s.execute(update(SchedulerLease).values(epoch=SchedulerLease.epoch + 1, holder="someone-else"))
             s.commit()
-        return real(snapshot, policy, now)
+        return real(snapshot, policy, now, **kw)
 
     monkeypatch.setattr(sched, "schedule", planning)
     with leadership(api.platform, stop=threading.Event()) as lease, pytest.raises(Fenced, match="superseded"):

@@ -138,6 +138,9 @@ class QueueCache:
         self.shows: dict[int, QueuedNow] = {}  # (handed to apply_decisions as ``current``: read only)
         self.full_reads = 0
         self.rows_read = 0  # rows of queued (or formerly queued) jobs read by the last cycle
+        # the queue in the cycle's order, kept across cycles by the domain (issue 12): it follows
+        # the jobs objects above (an unchanged row keeps its object), whatever reset() does
+        self.kept = sched.KeptQueue()
 
     def reset(self) -> None:
         self.mark = None
@@ -565,7 +568,8 @@ def run_cycle(
     snapshot = sched.Snapshot(
         nodes=snapshot.nodes, running=snapshot.running, queued=snapshot.queued, quotas=snapshot.quotas, usage=usage
     )
-    decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp())
+    decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp(),
+                               kept=queue.kept if queue is not None else None)
     if read_session is not None:
         if lease is not None:
             fence(session, lease)  # the write lock from here to the commit

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hai.domain.jobs import JobState, Priority
+from hai.domain.scheduler import KeptQueue
 from hai.domain.scheduler import schedule as hai_schedule
 from hai.domain.scheduler.core import service_class
 from hai.domain.scheduler.model import (
@@ -153,6 +154,9 @@ class Simulation:
         self.eps = 0.0 if self.grid > 0 else _EPS
         self.policy = policy
         self.scheduler = scheduler
+        # the queue kept across cycles for the hai scheduler (issue 12; the same decisions as
+        # from scratch, the queue views are kept objects until a job's view changes)
+        self.kept = KeptQueue() if scheduler is hai_schedule else None
         self.policy_name = policy_name
         self.cfg = config
         self.quotas = tuple(quotas)
@@ -615,7 +619,10 @@ class Simulation:
             if worth and self.queue:
                 self.cycles += 1
                 snap = self._snapshot(t)
-                d = self.scheduler(snap, self.policy, t)
+                if self.kept is not None:
+                    d = hai_schedule(snap, self.policy, t, kept=self.kept)
+                else:
+                    d = self.scheduler(snap, self.policy, t)
                 self._apply(d, t)
         return SimResult(self._metrics(), cycles=self.cycles)
 

@@ -1,6 +1,7 @@
 """Pure scheduling: snapshot in, decisions out, ``now`` passed in."""
 
 from hai.domain.scheduler.core import schedule
+from hai.domain.scheduler.kept import KeptQueue
 from hai.domain.scheduler.model import (
     Allocation,
     Decisions,
@@ -19,6 +20,7 @@ from hai.domain.scheduler.model import (
 __all__ = [
     "Allocation",
     "Decisions",
+    "KeptQueue",
     "Demote",
     "NodeView",
     "Policy",

@@ -34,8 +34,9 @@ from __future__ import annotations
 import gc
 import heapq
 from bisect import bisect_right
-from itertools import chain, repeat
-from operator import attrgetter, le
+from collections import deque
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, itemgetter, le
 from typing import Iterable
 
 from hai.domain.jobs import Priority
@@ -47,6 +48,7 @@ from hai.domain.scheduler.explain import (
     waiting_note,
 )
 from hai.domain.scheduler.explain import fmt_duration
+from hai.domain.scheduler.kept import KeptQueue, Level
 from hai.domain.scheduler.model import (
     Allocation,
     Decisions,
@@ -74,10 +76,18 @@ _RESERVED = attrgetter("reserved_nodes")
 # what a plain job's outcome reads of the job itself when every rung is answered from the memos
 # (its level fixes its priority): the key of the level's fast lane
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
+_APPEND = list.append
 
 
-def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
+def schedule(snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None) -> Decisions:
     """One scheduling cycle. Pure: reads ``snapshot`` (never mutates it), returns decisions.
+
+    ``kept``: the queue in the cycle's order, kept by the caller from one cycle to the next
+    (``kept.KeptQueue``; updated here from the jobs that arrived and left). The decisions are
+    the same with it and without it; with it a cycle does not sort the whole queue again nor
+    read every job's lane key from the job objects.
 
     The cyclic garbage collector is paused for the cycle: a cycle allocates tens of thousands
     of small objects (reasons, tuples, index entries) and creates no reference cycles that
@@ -88,7 +98,7 @@ def schedule(snapshot: Snapshot, policy: Policy, now: float) -> Decisions:
     if paused:
         gc.disable()
     try:
-        return _Cycle(snapshot, policy, now).run()
+        return _Cycle(snapshot, policy, now, kept).run()
     finally:
         if paused:
             gc.enable()
@@ -194,14 +204,21 @@ class _Cycle:
     # has ~3,000 (user, shape) keys): the lane's bookkeeping would cost more than it saves
     fast_lane_min_jobs = 8192
 
-    def __init__(self, snapshot: Snapshot, policy: Policy, now: float):
+    def __init__(self, snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None):
         self.snap, self.policy, self.now = snapshot, policy, now
         self.decisions = Decisions()
         # 1. queue heads
         self.classes = policy.service_classes_gpu_s
         self._ahead: dict[int, dict[int, int]] = {}  # rank -> class -> jobs of the level in lower classes
         self._runs: dict[int, list[tuple[int, int]]] = {}  # rank -> [(class, jobs)] in queue order
-        if self.classes and snapshot.queued:
+        self._kept = kept.sync(snapshot, policy) if kept is not None and snapshot.queued else None
+        if self._kept is not None:  # the order kept from the last cycle, updated
+            self.levels = [(lv.rank, lv) for lv in self._kept]  # type: ignore[misc]
+            if self.classes:
+                self._runs = {lv.rank: lv.runs() for lv in self._kept}
+                self._set_ahead()
+            self._kept_q = kept
+        elif self.classes and snapshot.queued:
             self.levels = self._order_by_service()
         else:
             self.levels = _levels(snapshot.queued)[0]
@@ -229,7 +246,7 @@ class _Cycle:
         """The queued jobs with reserved nodes, in queue order: found in the snapshot's own
         order (one pass over the jobs as they lie in memory), then ordered by the queue's key
         (level high first, service class, first submission, id)."""
-        got = list(filter(_RESERVED, self.snap.queued))
+        got = self._kept_q.reserved() if self._kept is not None else list(filter(_RESERVED, self.snap.queued))
         cls = self._class_of if self.classes else lambda j: 0
         got.sort(key=lambda j: (-_rank(j.priority), cls(j), j.first_submitted_at, j.id))
         return got
@@ -279,13 +296,18 @@ class _Cycle:
         lane_on = self.fast_lane and len(jobs) >= self.fast_lane_min_jobs
         lane_state = self._lane_state()
         keys: Iterable = repeat(None)
-        if lane_on:
-            keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
-            if self.classes:
-                keys = zip(keys, self._class_stream(rank))
         # each job's service class, from the level's runs of classes (0 without classes)
         classes: Iterable = self._class_stream(rank) if self.classes else repeat(0)
-        for job, key, c in zip(jobs, keys, classes):
+        todo: Iterable
+        if lane_on and isinstance(jobs, Level):  # the kept queue: keys kept, hits in bulk
+            todo = self._lane_misses(jobs, ts_since, lane, pend, self._kept_q.positions(jobs, chain(owned, pt)))
+        else:
+            if lane_on:
+                keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
+                if self.classes:
+                    keys = zip(keys, self._class_stream(rank))
+            todo = zip(jobs, keys, classes)
+        for job, key, c in todo:
             jid = job.id
             hit = lane_get(key)
             if hit is not None and not ((owned and jid in owned) or (pt and jid in pt)):
@@ -379,6 +401,60 @@ class _Cycle:
         for (user, n, g), (reason, epoch, lst, _final) in groups.items():
             waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
         return waiters
+
+    @staticmethod
+    def _lane_misses(
+        lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
+    ) -> Iterable[tuple[QueuedJob, int, int]]:
+        """The fast lane over a kept level: the jobs whose lane key the lane does not hold (or
+        that are not plain), as (job, key, class) for the ladder of ``_nominate_level``; the
+        others take their outcome here, a chunk at a time, without reading the job objects
+        (what the ladder would do for them one by one: a hit changes nothing, so a chunk of
+        hits is a run of them). Resumed after the ladder handled each yielded job, so every
+        chunk is looked up in the lane as that job left it. The key is the kept key (an even int
+        per lane key and class) plus 1 past the wait threshold: the same facts as the
+        from-scratch key.
+
+        ``specials``: block -> positions of the jobs that owned reserved nodes or had jobs
+        suspending for them when the level began (a superset of the jobs that are not plain
+        when their turn comes: during a level only the job whose turn it is claims nodes);
+        they go to the ladder one by one, which tells plain from not."""
+        lane_get = lane.get
+        for bi, b in enumerate(lv.blocks):
+            jobs, ids, kk, qat, cls = b.jobs, b.ids, b.keys, b.qat, b.cls
+            n = len(jobs)
+            stops = specials.get(bi, [])
+            stops.append(n)
+            si = 0
+            i = 0
+            step = 8
+            while i < n:
+                stop = stops[si]
+                if i == stop:  # not plain, maybe: the ladder decides
+                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
+                    i += 1
+                    si += 1
+                    continue
+                e = min(stop, i + step)
+                hits = list(map(lane_get, map(add, kk[i:e], map(le, qat[i:e], repeat(ts_since)))))
+                try:
+                    k = hits.index(None)
+                except ValueError:
+                    k = e - i
+                if k:
+                    m = i + k
+                    if k < len(hits):
+                        del hits[k:]
+                    pend.update(zip(ids[i:m], map(_FIRST, hits)))
+                    gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
+                    deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
+                    i = m
+                if i < e:  # a miss
+                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
+                    i += 1
+                    step = 8
+                elif step < 1024:
+                    step *= 2
 
     def _lane_state(self) -> tuple[int, ...]:
         """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""
@@ -578,6 +654,10 @@ class _Cycle:
             zero = bisect_right(th, 0.0)
             cs = [bisect_right(th, a) if a else zero for a in map(_ATTAINED, queued)]
         levels, self._runs = _levels(queued, cs)
+        self._set_ahead()
+        return levels
+
+    def _set_ahead(self) -> None:
         for rank_, runs in self._runs.items():
             ahead: dict[int, int] = {}
             pos = 0
@@ -585,7 +665,6 @@ class _Cycle:
                 ahead[c] = pos
                 pos += k
             self._ahead[rank_] = ahead
-        return levels
 
     def _class_of(self, job: QueuedJob) -> int:
         """A queued job's service class (as ``_order_by_service`` computed it)."""

@@ -1,0 +1,132 @@
+"""The queue kept across cycles (``kept.KeptQueue``, issue 12): a cycle given the kept queue
+decides exactly what the same cycle decides from scratch, cycle after cycle, while the snapshot
+changes between cycles as the live service sees it (jobs arrive, running jobs end, the cycle's
+own starts, suspensions, reservations and demotions are applied, suspended jobs re-enter the
+queue). Several policies (the default least attained service, FIFO_LEVELS, no time-sharing, a
+small preemption cap), with the fast lane on every level (so the kept lane runs on these small
+queues) and as in production. A kept queue that went stale (an update broken on purpose) is
+caught by the same comparison."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from hai.domain.scheduler import KeptQueue, Policy, schedule
+from hai.domain.scheduler import kept as kept_mod
+from hai.domain.scheduler.core import _Cycle
+from hai.domain.scheduler.model import FIFO_LEVELS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from decision_hash import canonical  # noqa: E402
+from scheduler_cycle import NOW, build_snapshot, next_snapshot, with_attained_service  # noqa: E402
+
+POLICIES = {
+    "least-attained-service": Policy(),
+    "fifo-levels": Policy(**FIFO_LEVELS),
+    "las-quantum-no-ts": Policy(time_sharing=False, service_quantum_factor=1.0, service_checkpoint_slack_s=0.0),
+    "fifo-capped": Policy(**FIFO_LEVELS, max_preemptions_per_cycle=3, min_runtime_s=1800.0),
+}
+
+
+def _compare(pol: Policy, seed: int, cycles: int = 10, queued: int = 1500, attained: bool = True) -> tuple[list[int], KeptQueue]:
+    """The cycles (0-based) whose decisions differ between the kept queue and from scratch."""
+    rng = random.Random(seed)
+    snap = build_snapshot(120, 220, queued, seed)
+    if attained:
+        snap = with_attained_service(snap, seed)
+    kept = KeptQueue()
+    now, next_id = NOW, 10_000_000
+    differ = []
+    for k in range(cycles):
+        got = schedule(snap, pol, now, kept=kept)
+        want = schedule(snap, pol, now)
+        if canonical(got) != canonical(want):
+            differ.append(k)
+        arrivals, ends = rng.choice((0, 5, 40, 200)), rng.choice((0, 3, 15))
+        snap, next_id = next_snapshot(snap, want, now, rng.choice((1.0, 30.0, 600.0)), rng, arrivals, ends, next_id)
+        now += 30.0
+    return differ, kept
+
+
+@pytest.mark.parametrize("lane_everywhere", [True, False])
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kept_queue_decides_as_from_scratch(monkeypatch, name, seed, lane_everywhere):
+    if lane_everywhere:  # the lane serves long levels only; here every level, the kept lane too
+        monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    differ, kept = _compare(POLICIES[name], seed, attained=name != "fifo-capped")
+    assert differ == []
+    assert kept.rebuilds == 1  # built once, then updated: the comparison was of the kept order
+
+
+def test_the_snapshots_change_and_the_kept_queue_follows(monkeypatch):
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    rng = random.Random(5)
+    snap = build_snapshot(120, 220, 1500, 5)
+    pol = Policy(**FIFO_LEVELS)
+    kept = KeptQueue()
+    d = schedule(snap, pol, NOW, kept=kept)
+    assert d.starts or d.suspends
+    snap2, _ = next_snapshot(snap, d, NOW, 30.0, rng, 50, 10, 10_000_000)
+    schedule(snap2, pol, NOW + 30.0, kept=kept)
+    assert kept.added >= 50 and kept.removed >= len(d.starts) and kept.rebuilds == 1
+    assert sum(len(lv) for lv in kept.sync(snap2, pol)) == len(snap2.queued)
+
+
+def test_a_starvation_factor_orders_from_scratch():
+    # a job's class then depends on now: the kept order cannot serve, the cycle sorts itself
+    snap = with_attained_service(build_snapshot(60, 100, 300, 2), 2)
+    pol = Policy(starvation_factor=2.0)
+    kept = KeptQueue()
+    assert kept.sync(snap, pol) is None
+    assert canonical(schedule(snap, pol, NOW, kept=kept)) == canonical(schedule(snap, pol, NOW))
+
+
+def test_a_stale_kept_queue_is_caught(monkeypatch):
+    """Break one update on purpose: a job that arrives goes to the end of its level instead of
+    its place in the order (the counts still agree, so ``sync`` cannot tell). The comparison
+    above must see it."""
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    real_add = kept_mod.Level.add
+
+    def add_at_end(self, job, key, c):
+        if not self.blocks:
+            return real_add(self, job, key, c)
+        b = self.blocks[-1]
+        b.insert(len(b.jobs), job, key, c, (c, job.first_submitted_at, job.id))
+        self.last[-1] = max(self.last[-1], b.sk[-1])
+        self.counts[c] = self.counts.get(c, 0) + 1
+        self.size += 1
+
+    monkeypatch.setattr(kept_mod.Level, "add", add_at_end)
+    differ, _kept = _compare(POLICIES["fifo-levels"], 0, attained=False)
+    assert differ != []
+
+
+def test_a_stale_reservation_index_is_caught(monkeypatch):
+    """Break another update: the kept index of jobs with reserved nodes is not told of a job
+    whose reservation was stored after it entered the queue."""
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    real_add = kept_mod.KeptQueue._add
+    built = []
+
+    def add_without_reservation(self, job):
+        real_add(self, job)
+        if built:
+            self._reserved.pop(job.id, None)
+
+    real_rebuild = kept_mod.KeptQueue._rebuild
+
+    def rebuild(self, queued):
+        real_rebuild(self, queued)
+        built.append(True)
+
+    monkeypatch.setattr(kept_mod.KeptQueue, "_add", add_without_reservation)
+    monkeypatch.setattr(kept_mod.KeptQueue, "_rebuild", rebuild)
+    differ, _kept = _compare(POLICIES["fifo-levels"], 0, attained=False)
+    assert differ != []
