@@ -37,6 +37,43 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
+def wakeups(redis_url: str):  # noqa: ANN201
+    """Count the messages on the platform's notification channel from now on: returns a function
+    that stops counting and returns the count (None without Redis)."""
+    if not redis_url:
+        return None
+    import threading
+
+    import redis
+
+    from hai.services.notify import RedisNotifier
+
+    client = redis.Redis.from_url(redis_url)
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(f"{RedisNotifier.CHANNEL}:{db}")
+    pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+    count, stop = [0], threading.Event()
+
+    def listen() -> None:
+        while not stop.is_set():
+            if pubsub.get_message(timeout=0.2):
+                count[0] += 1
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+
+    def done() -> int:
+        time.sleep(0.5)  # the last coalesced wake-up (20 ms) has gone out
+        stop.set()
+        t.join()
+        pubsub.close()
+        client.close()
+        return count[0]
+
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=1000)
@@ -80,6 +117,7 @@ def main() -> None:
                     time.sleep(1)
                 if args.callgrind:
                     subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
+                heard = wakeups(redis_url)  # the notifications the server sends through Redis meanwhile
                 load0, c0, t0 = loadavg(), cpu_s(server.pid), time.perf_counter()
                 blocks, per_block = [], max(1, args.jobs // args.blocks)
                 for b in range(0, args.jobs, per_block):
@@ -88,6 +126,7 @@ def main() -> None:
                         post(i)
                     blocks.append(1000 * (cpu_s(server.pid) - cb) / (min(args.jobs, b + per_block) - b))
                 wall, cpu = time.perf_counter() - t0, cpu_s(server.pid) - c0
+                messages = heard() if heard else None
                 if args.callgrind:
                     subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True, capture_output=True)
                 if spy:
@@ -97,7 +136,8 @@ def main() -> None:
             out = {"jobs": args.jobs, "server_cpu_ms_per_job": round(1000 * cpu / args.jobs, 3),
                    # the same per block of jobs: the least and the median are less swayed by other load
                    "blocks_ms_min": round(blocks[0], 3), "blocks_ms_median": round(blocks[len(blocks) // 2], 3),
-                   "jobs_per_s": round(args.jobs / wall, 1), "load": [load0, loadavg()]}
+                   "jobs_per_s": round(args.jobs / wall, 1), "load": [load0, loadavg()],
+                   "redis_messages_per_job": None if messages is None else round(messages / args.jobs, 3)}
         finally:
             procs.stop()
         if args.callgrind:  # the profile is written when the server exits
