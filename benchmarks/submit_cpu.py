@@ -3,9 +3,11 @@
 One `hai server --workers 1` on PostgreSQL + Redis (no scheduler, no agents: nodes are rows), N
 sequential submissions over one keep-alive connection; prints the server's CPU milliseconds per
 request (user+system, from /proc: little affected by other load on the machine, unlike wall time)
-and the wall rate. `--profile FILE` records the worker with py-spy (speedscope).
+and the wall rate (also per block of jobs: `blocks_ms_min` and `blocks_ms_median`, which a busy
+shared machine sways less). `--profile FILE` records the worker with py-spy (speedscope).
 
     python benchmarks/submit_cpu.py [--jobs 1000] [--profile /tmp/submit.speedscope.json]
+    python benchmarks/submit_cpu.py --jobs 200 --callgrind /tmp/submit.callgrind   # instructions per submission
 
 PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped: a database of your own); Redis: HAI_TEST_REDIS_URL.
 """
@@ -35,11 +37,51 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
 
 
+def wakeups(redis_url: str):  # noqa: ANN201
+    """Count the messages on the platform's notification channel from now on: returns a function
+    that stops counting and returns the count (None without Redis)."""
+    if not redis_url:
+        return None
+    import threading
+
+    import redis
+
+    from hai.services.notify import RedisNotifier
+
+    client = redis.Redis.from_url(redis_url)
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(f"{RedisNotifier.CHANNEL}:{db}")
+    pubsub.get_message(timeout=1.0)  # the subscription's confirmation
+    count, stop = [0], threading.Event()
+
+    def listen() -> None:
+        while not stop.is_set():
+            if pubsub.get_message(timeout=0.2):
+                count[0] += 1
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+
+    def done() -> int:
+        time.sleep(0.5)  # the last coalesced wake-up (20 ms) has gone out
+        stop.set()
+        t.join()
+        pubsub.close()
+        client.close()
+        return count[0]
+
+    return done
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--idempotency", action="store_true", help="send an Idempotency-Key with each submission")
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--callgrind", type=Path, help="run the server under valgrind's callgrind and print the "
+                    "instructions it executed per submission (after the warm-up): a figure other load does not sway")
+    ap.add_argument("--blocks", type=int, default=5, help="also the CPU per job of this many blocks of jobs")
     args = ap.parse_args()
     url, redis_url = os.environ["HAI_TEST_DATABASE_URL"], os.environ.get("HAI_TEST_REDIS_URL", "")
     procs = Procs()
@@ -52,7 +94,12 @@ def main() -> None:
         port = free_port()
         env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work))
         try:
-            server = procs.start(HAI + ["server", "--port", str(port), "--workers", "1"], env=env, log=work / "server.log")
+            wrap = []
+            if args.callgrind:  # counting starts after the warm-up (callgrind_control -i on)
+                wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                        f"--callgrind-out-file={args.callgrind.resolve()}"]
+            server = procs.start(wrap + HAI + ["server", "--port", str(port), "--workers", "1"], env=env,
+                                 log=work / "server.log")
             base = f"http://127.0.0.1:{port}"
             wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server")
             with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
@@ -68,18 +115,35 @@ def main() -> None:
                                             "--rate", "200", "--gil", "--format", "speedscope", "-o", str(args.profile), "--nonblocking"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(1)
+                if args.callgrind:
+                    subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
+                heard = wakeups(redis_url)  # the notifications the server sends through Redis meanwhile
                 load0, c0, t0 = loadavg(), cpu_s(server.pid), time.perf_counter()
-                for i in range(args.jobs):
-                    post(i)
+                blocks, per_block = [], max(1, args.jobs // args.blocks)
+                for b in range(0, args.jobs, per_block):
+                    cb = cpu_s(server.pid)
+                    for i in range(b, min(args.jobs, b + per_block)):
+                        post(i)
+                    blocks.append(1000 * (cpu_s(server.pid) - cb) / (min(args.jobs, b + per_block) - b))
                 wall, cpu = time.perf_counter() - t0, cpu_s(server.pid) - c0
+                messages = heard() if heard else None
+                if args.callgrind:
+                    subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True, capture_output=True)
                 if spy:
                     spy.send_signal(2)
                     spy.wait(60)
+            blocks.sort()
             out = {"jobs": args.jobs, "server_cpu_ms_per_job": round(1000 * cpu / args.jobs, 3),
-                   "jobs_per_s": round(args.jobs / wall, 1), "load": [load0, loadavg()]}
-            print(json.dumps(out))
+                   # the same per block of jobs: the least and the median are less swayed by other load
+                   "blocks_ms_min": round(blocks[0], 3), "blocks_ms_median": round(blocks[len(blocks) // 2], 3),
+                   "jobs_per_s": round(args.jobs / wall, 1), "load": [load0, loadavg()],
+                   "redis_messages_per_job": None if messages is None else round(messages / args.jobs, 3)}
         finally:
             procs.stop()
+        if args.callgrind:  # the profile is written when the server exits
+            events = [line for line in args.callgrind.read_text().splitlines() if line.startswith("totals:")]
+            out["instructions_per_job"] = round(int(events[0].split()[1]) / args.jobs)
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -165,6 +165,15 @@ class MetricsSettings(BaseModel):
     idle_after_s: float = Field(default=600.0, ge=0, description="an allocated GPU idle this long is listed")
 
 
+class ServerSettings(BaseModel):
+    """``hai server`` (uvicorn)."""
+
+    access_log: bool = Field(default=True, description=(
+        "a log line per request (uvicorn's access log, through the token redaction filter); off, the "
+        "server logs only its own events and errors (about 6% of a submission's server CPU, issue 12: "
+        "benchmarks/README.md), for deployments that log requests at their proxy or load balancer"))
+
+
 class LimitsSettings(BaseModel):
     """Issue 13: limits against abuse; each refusal is a clear 4xx."""
 
@@ -200,6 +209,7 @@ class Settings(BaseSettings):
     executor: Literal["agent", "kubernetes"] = "agent"
     kubernetes: KubernetesSettings = KubernetesSettings()
     limits: LimitsSettings = LimitsSettings()
+    server: ServerSettings = ServerSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Row, bindparam, case, func, insert, select
+from sqlalchemy import Boolean, Integer, Row, and_, bindparam, case, func, insert, literal, null, or_, select, true
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -14,7 +15,7 @@ from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
 from hai.services import notify
 from hai.services.auth import Principal
-from hai.services.errors import Conflict, Forbidden, Invalid, NotFound
+from hai.services.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 
 # session.info key: the scheduler leader's epoch, set by services.leader.fence in a fenced
 # transaction; the events (and allocations) that transaction writes carry it
@@ -157,6 +158,142 @@ SUBMITTED = "submitted"  # the reason of a job's first event
 _INSERT_JOB = insert(_jobs).returning(*_jobs.c)
 _INSERT_EVENT = insert(JobEvent.__table__)
 _INSERT_KEY = insert(IdempotencyKey.__table__)
+_events, _keys = JobEvent.__table__, IdempotencyKey.__table__
+
+
+WAITING = "waiting for the scheduler"  # a new job's pending reason
+
+# the columns a submission writes (the rest take their defaults)
+_JOB_PARAMS = ("name", "user_id", "user_name", "group", "command", "env", "tags", "job_type", "nodes", "gpus_per_node",
+               "priority", "submitted_priority", "allow_cross_zone", "max_runtime_s", "suspend_grace_s",
+               "log_watchdog_s", "state", "created_at", "queued_at", "pending_reason")
+
+
+# the other columns with a Python-side default: the one statement passes them as parameters
+# (an INSERT ... SELECT inside a CTE does not fill them in itself)
+_DEFAULTED = [c for c in _jobs.c if c.name not in _JOB_PARAMS and c.default is not None]
+
+
+def _job_values(spec: JobCreate, user: Principal, now: datetime) -> dict:
+    return dict(
+        name=spec.name, user_id=user.user_id, user_name=user.name, group=user.group,
+        command=list(spec.command), env=dict(spec.env), tags=list(spec.tags), job_type=spec.job_type.value,
+        nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, priority=spec.priority.value,
+        submitted_priority=spec.priority.value, allow_cross_zone=spec.allow_cross_zone,
+        max_runtime_s=spec.max_runtime_s, suspend_grace_s=spec.suspend_grace_s,
+        log_watchdog_s=spec.log_watchdog_s, state=JobState.QUEUED.value, created_at=now, queued_at=now,
+        pending_reason=WAITING,
+    )
+
+
+@dataclass(frozen=True)
+class KeySeen:
+    """The Idempotency-Key was used before, for this job with this request hash: nothing written."""
+
+    job_id: int
+    request_hash: str
+
+
+def _one_statement(with_key: bool):  # noqa: ANN202
+    """PostgreSQL: the whole submission as one statement (issue 12, fourth pass): the admission
+    aggregate and (with a key) the key's earlier use; the job's INSERT only where both pass; its
+    event and its key as data-modifying CTEs; then the figures with the new row (no row: refused,
+    and the caller says why from the figures, or answers with the key's job). One statement is
+    one transaction: it runs in autocommit, one round trip instead of five or six (BEGIN, the
+    key, admission, job, event, COMMIT), and nothing half-written."""
+    adm = select(
+        func.count(_nodes.c.id).label("n_nodes"),
+        func.coalesce(func.max(_nodes.c.gpus), 0).label("largest"),
+        func.coalesce(func.sum(case((_nodes.c.gpus == bindparam("gpus_per_node"), 1), else_=0)), 0).label("whole"),
+        select(func.count()).select_from(_jobs)
+        .where(_jobs.c.user_id == bindparam("user_id"), _jobs.c.state == JobState.QUEUED.value)
+        .where(bindparam("limit", type_=Integer) > 0)  # no limit: no count
+        .scalar_subquery().label("queued"),
+    )
+    figures = [c.name for c in adm.selected_columns]
+    if with_key:
+        seen = (select(_keys.c.job_id, _keys.c.request_hash)
+                .where(_keys.c.user_id == bindparam("user_id"), _keys.c.key == bindparam("key")).subquery())
+        adm = adm.add_columns(select(seen.c.job_id).scalar_subquery().label("seen_job_id"),
+                              select(seen.c.request_hash).scalar_subquery().label("seen_hash"))
+        figures += ["seen_job_id", "seen_hash"]
+    adm = adm.cte("adm")
+    admitted = [
+        bindparam("nodes", type_=Integer) <= adm.c.n_nodes,
+        bindparam("gpus_per_node", type_=Integer) <= adm.c.largest,
+        or_(~bindparam("multi_node", type_=Boolean), adm.c.whole >= bindparam("nodes", type_=Integer)),
+        or_(bindparam("limit", type_=Integer) == 0, adm.c.queued < bindparam("limit", type_=Integer)),
+    ]
+    if with_key:
+        admitted.append(adm.c.seen_job_id.is_(None))
+    columns = list(_JOB_PARAMS) + [c.name for c in _DEFAULTED]
+    job = insert(_jobs).from_select(
+        columns, include_defaults=False,
+        select=select(*[bindparam(c, type_=_jobs.c[c].type) for c in columns]).select_from(adm).where(and_(*admitted)),
+    ).returning(*_jobs.c).cte("j")
+    event = insert(_events).from_select(
+        ["job_id", "at", "from_state", "to_state", "reason", "epoch"],
+        select(job.c.id, job.c.created_at, null(), literal(JobState.QUEUED.value), literal(SUBMITTED), null()),
+    ).cte("e")
+    stmt = select(*[adm.c[f] for f in figures], *job.c).select_from(adm.outerjoin(job, true())).add_cte(event)
+    if with_key:
+        key = insert(_keys).from_select(
+            ["user_id", "key", "request_hash", "job_id", "created_at"],
+            select(job.c.user_id, bindparam("key"), bindparam("request_hash"), job.c.id, job.c.created_at),
+        ).cte("k")
+        stmt = stmt.add_cte(key)
+    return stmt
+
+
+def _queue_full(queued: int, limit: int) -> TooMany:
+    return TooMany(
+        f"you have {queued} queued job(s), the most a user may have (HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER="
+        f"{limit}); wait for some to start or cancel some"
+    )
+
+
+def submit_admitted(
+    *, session: Session, spec: JobCreate, user: Principal, limit: int, idempotency: tuple[str, str] | None = None,
+) -> Row | KeySeen:
+    """A submission with its checks, committed; returns the job's row. With ``idempotency`` (key,
+    request hash) a key this user sent before gives KeySeen (nothing written; whatever the checks
+    would say now). Refused with nothing written: Invalid (-> 422) when no placement could ever
+    fit the job, TooMany (-> 429) when the user has ``limit`` queued jobs already (0: no limit).
+    PostgreSQL: one statement, one round trip (``_one_statement``); SQLite: the key's look-up,
+    ``admission_counts``, ``submit_job``. A key committed by a concurrent request in between
+    raises IntegrityError (the caller rolls back and looks the key up)."""
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+    if session.get_bind().dialect.name != "postgresql":
+        if idempotency is not None:
+            seen = session.execute(SEEN_KEY, {"user_id": user.user_id, "key": idempotency[0]}).one_or_none()
+            if seen is not None:
+                return KeySeen(job_id=seen.job_id, request_hash=seen.request_hash)
+        queued = admission_counts(session, spec, user_id=user.user_id, count_queued=bool(limit))
+        if limit and queued is not None and queued >= limit:
+            raise _queue_full(queued, limit)
+        return submit_job(session=session, spec=spec, user=user, idempotency=idempotency, checked=True)
+    # a session that has not begun (the usual case: the credential came from the cache) runs the
+    # statement in autocommit, without a BEGIN and a COMMIT round trip; one that has (the token's
+    # look-up and its last-used write) commits them together
+    options = {} if session.in_transaction() else {"isolation_level": "AUTOCOMMIT"}
+    conn = session.connection(execution_options=options)
+    now = utcnow()
+    params = _job_values(spec, user, now)
+    params.update((c.name, c.default.arg if c.default.is_scalar else c.default.arg(None)) for c in _DEFAULTED)
+    params.update(multi_node=spec.nodes > 1, limit=limit)
+    if idempotency is not None:
+        params["key"], params["request_hash"] = idempotency
+    row = conn.execute(_ONE_STATEMENT[idempotency is not None], params).one()
+    if row.id is None:  # nothing was written
+        session.rollback()
+        if idempotency is not None and row.seen_job_id is not None:
+            return KeySeen(job_id=row.seen_job_id, request_hash=row.seen_hash)
+        _check_fit(session, spec, row.n_nodes, row.largest, row.whole)
+        raise _queue_full(int(row.queued), limit)
+    publish_after_commit(session, notify.SCHEDULER)
+    session.commit()
+    return row
 
 
 def submit_job(
@@ -175,15 +312,7 @@ def submit_job(
         check_fits_cluster(session, spec)
     now = utcnow()
     conn = session.connection()
-    row = conn.execute(_INSERT_JOB, dict(
-        name=spec.name, user_id=user.user_id, user_name=user.name, group=user.group,
-        command=list(spec.command), env=dict(spec.env), tags=list(spec.tags), job_type=spec.job_type.value,
-        nodes=spec.nodes, gpus_per_node=spec.gpus_per_node, priority=spec.priority.value,
-        submitted_priority=spec.priority.value, allow_cross_zone=spec.allow_cross_zone,
-        max_runtime_s=spec.max_runtime_s, suspend_grace_s=spec.suspend_grace_s,
-        log_watchdog_s=spec.log_watchdog_s, state=JobState.QUEUED.value, created_at=now, queued_at=now,
-        pending_reason="waiting for the scheduler",
-    )).one()
+    row = conn.execute(_INSERT_JOB, _job_values(spec, user, now)).one()
     conn.execute(_INSERT_EVENT, dict(job_id=row.id, at=now, from_state=None, to_state=JobState.QUEUED.value,
                                      reason=SUBMITTED, epoch=None))
     if idempotency is not None:
@@ -194,6 +323,10 @@ def submit_job(
     session.commit()
     return row
 
+
+_ONE_STATEMENT = {False: _one_statement(False), True: _one_statement(True)}
+SEEN_KEY = select(_keys.c.job_id, _keys.c.request_hash).where(
+    _keys.c.user_id == bindparam("user_id"), _keys.c.key == bindparam("key"))
 
 
 def get_job(*, session: Session, job_id: int, user: Principal, for_update: bool = False) -> Job:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 
@@ -113,7 +114,16 @@ class RedisNotifier(Notifier):
 
     CHANNEL = "hai:notify"
 
-    def __init__(self, url: str) -> None:
+    # issue 12: a SCHEDULER wake-up sent less than this after this process's last publish waits
+    # for the rest of that time and goes out with every other one queued meanwhile (one message,
+    # not one per submission: each cost the publisher a Redis round trip, ~8% of a submission's
+    # instructions, and every listening process a message). The scheduler merges wake-ups within
+    # HAI_SCHEDULER__COALESCE_S (0.2 s) anyway. Every other topic goes out at once, with any
+    # queued wake-up.
+    COALESCE_S = 0.02
+    COALESCED = frozenset({SCHEDULER})
+
+    def __init__(self, url: str, *, coalesce_s: float | None = None, coalesced: frozenset[str] | None = None) -> None:
         super().__init__()
         import redis
 
@@ -128,14 +138,54 @@ class RedisNotifier(Notifier):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="hai-redis-notify", daemon=True)
         self._thread.start()
+        self.coalesce_s = self.COALESCE_S if coalesce_s is None else coalesce_s
+        self.coalesced = self.COALESCED if coalesced is None else coalesced
+        self._out = threading.Condition()
+        self._queued: set[str] = set()  # wake-ups waiting for the flusher
+        self._sent_at = float("-inf")
+        self._flusher = threading.Thread(target=self._flush, name="hai-redis-notify-out", daemon=True)
+        self._flusher.start()
 
     def publish(self, *topics: str) -> None:
         self._deliver(topics)
+        with self._out:
+            now = time.monotonic()
+            if self.coalesced.issuperset(topics) and now - self._sent_at < self.coalesce_s:
+                if not self._queued:
+                    self._out.notify()
+                self._queued.update(topics)
+                return
+            topics = tuple(sorted(self._queued.union(topics)))
+            self._queued.clear()
+            self._sent_at = now
+        self._send(topics)
+
+    def _send(self, topics) -> None:  # noqa: ANN001
         try:
             self._redis.publish(self.CHANNEL, self._origin + "|" + ",".join(topics))
         except Exception:  # Redis can be lost without losing a job: callers poll too
             self.epoch += 1
             log.warning("could not publish %s to Redis", topics, exc_info=True)
+
+    def _flush(self) -> None:
+        """Send the queued wake-ups once ``coalesce_s`` has passed since the last publish."""
+        with self._out:
+            while not self._stop.is_set():
+                if not self._queued:
+                    self._out.wait()
+                    continue
+                due = self._sent_at + self.coalesce_s - time.monotonic()
+                if due > 0:
+                    self._out.wait(due)
+                    continue
+                topics = tuple(sorted(self._queued))
+                self._queued.clear()
+                self._sent_at = time.monotonic()
+                self._out.release()
+                try:
+                    self._send(topics)
+                finally:
+                    self._out.acquire()
 
     def _listen(self) -> None:
         while not self._stop.is_set():
@@ -155,6 +205,13 @@ class RedisNotifier(Notifier):
 
     def close(self) -> None:
         self._stop.set()
+        with self._out:
+            self._out.notify()
+            queued = tuple(sorted(self._queued))
+            self._queued.clear()
+        self._flusher.join(timeout=3)
+        if queued:  # not dropped at shutdown
+            self._send(queued)
         self._thread.join(timeout=3)
         try:
             self._pubsub.close()

@@ -1,6 +1,7 @@
 """Submitting a job through the API (issue 13): the per-user queue limit and the
-``Idempotency-Key`` replay, around ``jobs.submit_job`` (which writes the key in the job's own
-transaction, so a crash between the commit and the response loses nothing)."""
+``Idempotency-Key`` replay, around ``jobs.submit_admitted`` (which writes the key in the job's own
+transaction, so a crash between the commit and the response loses nothing; on PostgreSQL the
+checks and the writes are one statement, issue 12)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from hai.db.models import IdempotencyKey, Job
+from hai.db.models import Job
 from hai.schemas.jobs import JobCreate, JobRead
 from hai.services import jobs as job_service
 from hai.services.auth import Principal
-from hai.services.errors import Forbidden, Invalid, TooMany
+from hai.services.errors import Forbidden, Invalid
 from hai.services.faults import crash_point
 from hai.services.job_views import job_read, submitted_read
 from hai.settings import LimitsSettings
@@ -34,30 +34,16 @@ def request_hash(spec: JobCreate) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-def _replay(session: Session, *, user: Principal, key: str, digest: str) -> Job | None:
-    row = session.scalar(select(IdempotencyKey).where(IdempotencyKey.user_id == user.user_id, IdempotencyKey.key == key))
-    if row is None:
-        return None
-    if row.request_hash != digest:
+def _replayed(session: Session, *, seen: job_service.KeySeen, digest: str) -> Submitted:
+    """The key was used before: its job if the body is the same, else 422 (nothing written)."""
+    if seen.request_hash != digest:
         raise Invalid(
             "Idempotency-Key",
-            f"this Idempotency-Key was used with another request body (job {row.job_id}); use a new key for a new job",
+            f"this Idempotency-Key was used with another request body (job {seen.job_id}); use a new key for a new job",
         )
-    job = session.get(Job, row.job_id)
+    job = session.get(Job, seen.job_id)
     assert job is not None  # the key row cascades with its job
-    return job
-
-
-def check_admission(session: Session, *, spec: JobCreate, user: Principal, limits: LimitsSettings) -> None:
-    """The cluster can ever fit the job (422), and the user is under the queued-jobs limit (429):
-    one query for both (issue 12)."""
-    limit = limits.max_queued_jobs_per_user
-    queued = job_service.admission_counts(session, spec, user_id=user.user_id, count_queued=bool(limit))
-    if limit and queued is not None and queued >= limit:
-        raise TooMany(
-            f"you have {queued} queued job(s), the most a user may have (HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER="
-            f"{limit}); wait for some to start or cancel some"
-        )
+    return Submitted(job=job_read(session=session, job=job), replayed=True)
 
 
 def submit(
@@ -65,23 +51,24 @@ def submit(
 ) -> Submitted:
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
-    digest = request_hash(spec)
-    if idempotency_key is not None:
-        job = _replay(session, user=user, key=idempotency_key, digest=digest)
-        if job is not None:
-            return Submitted(job=job_read(session=session, job=job), replayed=True)
-    check_admission(session, spec=spec, user=user, limits=limits)
+    # the normalised body's hash only matters with a key (a JSON dump and a SHA-256 otherwise wasted)
+    digest = request_hash(spec) if idempotency_key is not None else ""
     idem = (idempotency_key, digest) if idempotency_key is not None else None
     try:
-        row = job_service.submit_job(session=session, spec=spec, user=user, idempotency=idem, checked=True)
+        # the key's earlier use, the cluster fit (422) and the user's queued-jobs limit (429), then
+        # the job, its event and its key, committed: one statement on PostgreSQL (issue 12)
+        row = job_service.submit_admitted(session=session, spec=spec, user=user,
+                                          limit=limits.max_queued_jobs_per_user, idempotency=idem)
     except IntegrityError:
         # the same key committed by a concurrent request in between: answer with its job
         session.rollback()
         if idempotency_key is None:
             raise
-        job = _replay(session, user=user, key=idempotency_key, digest=digest)
-        if job is None:
+        seen = session.execute(job_service.SEEN_KEY, {"user_id": user.user_id, "key": idempotency_key}).one_or_none()
+        if seen is None:
             raise
-        return Submitted(job=job_read(session=session, job=job), replayed=True)
+        row = job_service.KeySeen(job_id=seen.job_id, request_hash=seen.request_hash)
+    if isinstance(row, job_service.KeySeen):
+        return _replayed(session, seen=row, digest=digest)
     crash_point("after_submit_commit")
     return Submitted(job=submitted_read(row), replayed=False)
