@@ -13,6 +13,7 @@ import pytest
 from hai.db.base import utcnow
 from hai.db.models import Node, NodeEvent, ValidationRun
 from hai.protocol import AttemptStatus, CheckResult, Heartbeat, RankStatus, ValidationReport
+from hai.services import node_health
 from hai.services.reaper import mark_lost_nodes
 from hai.services.scheduling import run_cycle
 
@@ -401,3 +402,22 @@ def test_a_drained_node_that_was_lost_returns_drained(cluster):
     n = node(cluster, "n0")
     assert n["state"] == "drained" and n["state_reason"] == "drained by root: bad DIMM"
     assert [e["to_state"] for e in n["events"]] == ["ready", "drained", "lost", "drained"]
+
+
+def test_nodes_registered_together_start_their_quick_rounds_out_of_step(cluster):
+    """Issue 12: a new node's first round comes 0 to every - 1 heartbeats after the every-th,
+    by its name; nodes registered in one go spread their rounds over the interval."""
+    every = cluster.platform.settings.validation.quick_every_heartbeats = 5
+    names = [f"spread-{i}" for i in range(40)]
+    for name in names:
+        cluster.register_node(name)
+    first = {}
+    for name in names:
+        for k in range(1, 2 * every + 1):
+            if heartbeat(cluster, name)["validations"]:
+                first[name] = k
+                break
+    assert set(first) == set(names)  # every node got its round within 2 * every heartbeats
+    assert all(every <= k < 2 * every for k in first.values()), first
+    assert len(set(first.values())) == every, first  # not all in the same heartbeat: every phase used
+    assert {n: every + node_health.quick_phase(n, cluster.platform.settings) for n in names} == first
