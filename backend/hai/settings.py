@@ -165,8 +165,8 @@ class MetricsSettings(BaseModel):
     idle_after_s: float = Field(default=600.0, ge=0, description="an allocated GPU idle this long is listed")
 
 
-class ServerSettings(BaseModel):
-    """``hai server`` (uvicorn)."""
+class HttpSettings(BaseModel):
+    """``hai server``'s HTTP layer (uvicorn). Not ``server``: HAI_SERVER is the CLI's server URL."""
 
     access_log: bool = Field(default=True, description=(
         "a log line per request (uvicorn's access log, through the token redaction filter); off, the "
@@ -209,7 +209,7 @@ class Settings(BaseSettings):
     executor: Literal["agent", "kubernetes"] = "agent"
     kubernetes: KubernetesSettings = KubernetesSettings()
     limits: LimitsSettings = LimitsSettings()
-    server: ServerSettings = ServerSettings()
+    http: HttpSettings = HttpSettings()
     # serve the built dashboard from here when it exists
     frontend_dist: Path | None = None
     log_retention_days: int = 30

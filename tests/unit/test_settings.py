@@ -54,3 +54,15 @@ def test_preemption_time_sharing_and_the_cap_are_read_from_the_environment(monke
     assert (p.preemption, p.time_sharing, p.max_preemptions_per_cycle) == (False, False, 5)
     with pytest.raises(ValidationError):
         Settings(scheduler={"max_preemptions_per_cycle": -1})
+
+
+def test_the_cli_s_own_variables_are_not_read_as_settings_sections(monkeypatch):
+    """HAI_SERVER and HAI_TOKEN (the CLI's server URL and credential, set in every shell that uses
+    `hai`) share the settings' prefix: no settings section may be named after them, or every
+    command that loads the settings with them set fails to parse them (a `server` section did)."""
+    monkeypatch.setenv("HAI_SERVER", "http://127.0.0.1:8080")
+    monkeypatch.setenv("HAI_TOKEN", "hai_not-a-real-token")
+    monkeypatch.setenv("HAI_HTTP__ACCESS_LOG", "false")
+    s = Settings()
+    assert s.http.access_log is False
+    assert not {"server", "token"} & set(Settings.model_fields)

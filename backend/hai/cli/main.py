@@ -71,7 +71,7 @@ def server(
     _bootstrap(platform, topology)
     if workers == 1:
         uvicorn.run(create_app(platform), host=host, port=port, log_level="info",
-                    access_log=settings.server.access_log)
+                    access_log=settings.http.access_log)
         platform.close()
         return
     if settings.database_url.startswith("sqlite") or not settings.redis.url:
@@ -86,7 +86,7 @@ def server(
     # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5;
     # keep-alive 75 s: agents reuse their connection every heartbeat (uvicorn closes idle ones after 5 s)
     uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
-                access_log=settings.server.access_log, timeout_worker_healthcheck=60, timeout_keep_alive=75)
+                access_log=settings.http.access_log, timeout_worker_healthcheck=60, timeout_keep_alive=75)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
