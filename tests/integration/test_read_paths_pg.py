@@ -173,3 +173,30 @@ def test_node_list_document_is_the_serialised_rows(sessions):
         s.execute(Node.__table__.delete())
         s.commit()
         assert node_service.list_nodes_json(session=s) == b"[]"
+
+
+def test_job_list_document_is_the_validated_models_document(sessions):
+    """The job list as served (``job_list_json``, written without validating the page) is byte for
+    byte the validated models' JSON: every state and nullable field, events and placements, a
+    masked environment, and the two free-form documents with ints where floats are declared,
+    optional keys missing and keys the models do not have."""
+    now = datetime.now(timezone.utc)
+    with sessions() as s:
+        _seed(s, now)
+        j3 = s.get(Job, 3)
+        j3.state, j3.exit_code, j3.failure_reason = "failed", 7, "exit code 7"
+        j3.started_at, j3.finished_at = now + timedelta(seconds=4.25), now + timedelta(seconds=90)
+        j3.tags, j3.max_runtime_s, j3.lost_gpu_s, j3.pending_reason = ["a", "b"], 3600, 12.5, None
+        j3.last_checkpoint = {"path": "/ck/3", "at": 1700000000, "extra": True}  # an int for a float, no step
+        j3.progress = {"step": 5, "at": 1700000001.5, "metrics": {"loss": 1, "acc": 0.25}, "total": None}
+        s.get(Job, 4).progress = {"step": 2.0, "at": 17}  # a float step, no metrics
+        s.commit()
+        for viewer in (Principal(kind="user", user_id=1, name="alice"),
+                       Principal(kind="user", user_id=99, name="root", is_admin=True), None):
+            for kw in ({"limit": 50}, {"limit": 2, "offset": 1}, {"state": [JobState.RUNNING]}):
+                page = list_jobs(session=s, **kw)
+                expected = job_list_page(session=s, page=page, viewer=viewer).model_dump_json().encode()
+                assert job_views.job_list_json(session=s, page=page, viewer=viewer) == expected, (viewer, kw)
+        doc = job_views.job_list_json(session=s, page=list_jobs(session=s), viewer=None)
+        assert b'"last_checkpoint":{"path":"/ck/3","step":null,"at":1700000000.0,"duration_s":null}' in doc
+        assert b'"metrics":{"loss":1.0,"acc":0.25}' in doc and b'"step":2,' in doc

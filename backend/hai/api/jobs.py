@@ -13,7 +13,7 @@ from hai.schemas.jobs import JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
 from hai.services import logs as log_service
 from hai.services import submissions
-from hai.services.job_views import CountMode, job_list_page, job_read, list_jobs as list_job_page
+from hai.services.job_views import CountMode, job_list_json, job_read, list_jobs as list_job_page
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
@@ -86,7 +86,7 @@ def list_jobs(  # noqa: PLR0913
     page = list_job_page(session=session, state=state or (), user_name=user, limit=limit, offset=offset,
                          before_id=before_id, count=count)
     # serialised by pydantic-core directly (no second validation, no json.dumps of the page)
-    return Response(job_list_page(session=session, page=page, viewer=viewer).model_dump_json(),
+    return Response(job_list_json(session=session, page=page, viewer=viewer),
                     media_type="application/json")
 
 
