@@ -312,12 +312,17 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def pg_urls() -> tuple[str, str]:
+    """(PostgreSQL URL, Redis URL) of the production layout's cases, or a clear exit."""
+    url = os.environ.get("HAI_TEST_DATABASE_URL", "")
+    if not url.startswith("postgresql"):
+        raise SystemExit("set HAI_TEST_DATABASE_URL to a PostgreSQL database of your own (its schema is dropped)")
+    return url, os.environ.get("HAI_TEST_REDIS_URL", "")
+
+
 @contextmanager
 def production(work: Path, queued: int, workers: int, procs: Procs):
-    url = os.environ.get("HAI_TEST_DATABASE_URL", "")
-    redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
-    if not url.startswith("postgresql"):
-        raise SystemExit("set HAI_TEST_DATABASE_URL to a PostgreSQL database of your own")
+    url, redis_url = pg_urls()
     reset_postgres(url)
     settings = Settings(data_dir=work, db={"url": url}, redis={"url": redis_url})
     token, agent_token, users = seed_users(settings)
@@ -534,8 +539,7 @@ def cpu_s(pids: list[int]) -> float:
 
 
 def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> dict:
-    url = os.environ.get("HAI_TEST_DATABASE_URL", "")
-    redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
+    url, redis_url = pg_urls()
     procs = Procs()
     out: dict = {"jobs_in_table": n_jobs, "nodes_in_table": n_nodes}
     with tempfile.TemporaryDirectory(prefix="hai-api-reads-") as tmp:
