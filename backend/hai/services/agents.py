@@ -13,6 +13,7 @@ running: its GPUs are released) and the reply.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -243,7 +244,18 @@ class ReplyCache:
     buffered as before. Nothing can have changed the node's assignments meanwhile: every change
     publishes the node's topic (``jobs.transition``, starts, node state changes, validation
     requests), which moves its version; the notifier's epoch moves when notifications may have
-    been lost; and an entry lives ``ttl_s`` at most. Only replies whose assignments all say
+    been lost; and an entry lives ``ttl_s`` at most.
+
+    Why ``ttl_s`` can be long (60 s by default since issue 12's fifth pass; it was 10 s, and the
+    entries that ran out were half of the fan-in's full passes): an entry is stale only if a
+    change's notification did not reach this process, and each way that happens now moves the
+    epoch or is put right: a Redis error on the listener moves it; a subscription that died
+    without one (a half-open connection, a Redis restart between reads) is found by the
+    notifier's own ticks not coming back (``RedisNotifier.STALE_S``, 5 s) and moves it; a publish
+    that failed is sent again (``RedisNotifier.RETRY_S``) instead of dropped. Left to ``ttl_s``:
+    a publisher that died between its commit and its publish, or one cut off from Redis longer
+    than ``ttl_s`` while this process is not; there a change reaches the agent up to ``ttl_s``
+    late, as a missed wake-up would (no state is lost: the database holds the change). Only replies whose assignments all say
     ``run`` and that ask for no validation are kept (a ``stop`` must be released by a full pass,
     a validation answered), and no more answers than leave the quick round un-due.
 
@@ -268,6 +280,7 @@ class ReplyCache:
         self._thread: threading.Thread | None = None
         self.hits = 0
         self.flushed = 0  # node rows written by ``flush``
+        self.full_passes: dict[str, int] = {}  # why heartbeats were not answered from the cache (``miss``)
 
     def lookup(self, hb: Heartbeat, *, version: int, epoch: int) -> _Steady | None:
         with self._lock:
@@ -279,6 +292,32 @@ class ReplyCache:
         if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
             return None
         return c
+
+    def miss(self, hb: Heartbeat, *, version: int, epoch: int) -> str:
+        """Why ``lookup`` found no answer for this heartbeat (counted in ``full_passes``; the route
+        calls it for each heartbeat it sends through the service): ``none`` (no entry: the node's
+        first heartbeat here, or its last reply was not steady), ``notified`` (the node's topic
+        moved), ``epoch``, ``expired``, ``quick_due``, ``report`` (validations delivered, another
+        digest or another report), ``answered`` (``answer`` refused it: the round fell due)."""
+        with self._lock:
+            c = self._entries.get(hb.node)
+        if c is None:
+            why = "none"
+        elif c.version != version:
+            why = "notified"
+        elif c.epoch != epoch:
+            why = "epoch"
+        elif c.until <= time.monotonic():
+            why = "expired"
+        elif c.quick_left is not None and c.quick_left <= 0:
+            why = "quick_due"
+        elif hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
+            why = "report"
+        else:
+            why = "answered"
+        with self._lock:
+            self.full_passes[why] = self.full_passes.get(why, 0) + 1
+        return why
 
     def store(self, hb: Heartbeat, reply: ServerReply, *, seen: dict | None, version: int, epoch: int) -> None:
         state = (seen or {}).get("state")
@@ -367,6 +406,9 @@ class ReplyCache:
 
     def close(self) -> None:
         """Stop the writer and write what is noted (the API process is stopping)."""
+        # one line in the server's log (uvicorn's, which every worker has): what the cache did
+        logging.getLogger("uvicorn.error").info(
+            "heartbeat reply cache: %s", json.dumps({"answered": self.hits, "full_passes": self.full_passes}))
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
