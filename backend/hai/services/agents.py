@@ -20,15 +20,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import and_, bindparam, select, update
 from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
-from hai.db.models import Node
+from hai.db.models import Job, JobAllocation, Node
+from hai.domain.jobs import JobState
 from hai.domain.nodes import NodeState
 from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, Heartbeat, ServerReply
 from hai.services import metrics_store, node_health, notify, reports
-from hai.services.assignments import active_allocations, active_allocations_of, assigned, assignments_for, digest
+from hai.services.assignments import (active_allocations, active_allocations_of, assigned, assignments_for, digest,
+                                      expected_ranks)
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit
 from hai.services.node_state import create_node
@@ -89,6 +91,10 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
+    if not hb.validations:  # issue 12: a heartbeat that changes nothing but liveness, in Core
+        reply = _quiet_heartbeat(session, hb, settings=settings, now=now, seen=seen)
+        if reply is not None:
+            return reply
     # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
     # a heartbeat overwrites the metrics and reads the inventory only for a validation run
     # the node's row first, held to the commit (FOR NO KEY UPDATE: allocations' foreign keys
@@ -183,6 +189,117 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
     if hb.gpus:
         metrics_store.set_latest_gpus(node, hb.gpus, settings)
     return _reply(session, node, [a for _, a in held], settings, pending=pending)
+
+
+# -- a full heartbeat that changes nothing but liveness, without the ORM (issue 12) ---------------
+# Most heartbeats that miss the reply cache change nothing: the entry ran out, the node's first
+# heartbeat at this API process, the first after its assignments changed (the agent still echoes
+# the old digest). The ORM pass cost 6-12 ms of CPU for that (the node and allocations loaded
+# as objects, the node's UPDATE through the unit of work's flush: 40% of it); this one reads the
+# node, whether it has a pending validation run, and its active allocations with their jobs in one
+# statement, checks that the ORM pass would change nothing but liveness, and writes liveness with
+# one UPDATE. Anything else (a report that changed, a stop to release, a quick round due, a
+# pending run, a node neither ready nor drained) goes the ORM way, in the same transaction (the
+# node's row stays locked), as before.
+_QUIET_STATES = (NodeState.READY.value, NodeState.DRAINED.value)
+
+
+class _Row:
+    """An allocation or a job as ``assignments.assignment_of`` and ``reports.node_report`` read it."""
+
+    def __init__(self, **kw) -> None:  # noqa: ANN003
+        self.__dict__.update(kw)
+
+
+_JOB_COLUMNS = ("id", "name", "user_name", "command", "env", "job_type", "nodes", "gpus_per_node", "master_addr",
+                "master_port", "last_checkpoint", "progress", "suspend_grace_s", "log_watchdog_s", "max_runtime_s",
+                "state", "desired_action", "attempt")
+_ALLOC_COLUMNS = ("job_id", "attempt", "node_name", "node_rank", "gpus", "status")
+_quiet_stmt = None
+
+
+def _quiet_statement():  # noqa: ANN202 - built once, compiled once (SQLAlchemy's statement cache)
+    global _quiet_stmt
+    if _quiet_stmt is None:
+        n, a, j = Node.__table__, JobAllocation.__table__, Job.__table__
+        _quiet_stmt = (
+            select(n.c.state.label("n_state"), n.c.heartbeats_since_quick.label("n_quick"),
+                   n.c.agent_version.label("n_agent_version"), node_health.has_pending_run().label("n_pending"),
+                   *(a.c[c].label("a_" + c) for c in _ALLOC_COLUMNS), *(j.c[c].label("j_" + c) for c in _JOB_COLUMNS))
+            .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active.is_(True))))
+            .where(n.c.name == bindparam("node"))
+            .order_by(a.c.job_id, a.c.attempt)
+            .with_for_update(key_share=True, of=n)  # as the ORM pass locks it (issue 13: the reaper)
+        )
+    return _quiet_stmt
+
+
+def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now, seen: dict | None) -> ServerReply | None:  # noqa: ANN001
+    """The heartbeat in Core when it changes nothing but the node's liveness (last heartbeat, latest
+    GPU figures, the quick-round count), else None (the caller goes on the ORM way; the node's row
+    is locked either way)."""
+    rows = session.execute(_quiet_statement(), {"node": hb.node}).all()
+    if not rows:
+        return None  # unknown node: the ORM pass answers (reregister)
+    first = rows[0]
+    state = first.n_state
+    if state not in _QUIET_STATES or first.n_pending:
+        return None
+    allocs = []
+    jobs: dict[int, _Row] = {}
+    for r in rows:
+        if r.a_job_id is None:
+            continue
+        job = jobs.get(r.j_id)
+        if job is None:
+            job = jobs[r.j_id] = _Row(**{c: getattr(r, "j_" + c) for c in _JOB_COLUMNS})
+        allocs.append(_Row(job=job, active=True, **{c: getattr(r, "a_" + c) for c in _ALLOC_COLUMNS}))
+    # what reports.apply_reports would do: nothing, when each reported attempt it holds is reported
+    # as last time, for a running job's current attempt that is not over, with nothing to absorb
+    active = {(a.job_id, a.attempt): a for a in allocs}
+    for st in hb.attempts:
+        a = active.get((st.job_id, st.attempt))
+        if a is None:
+            continue  # not the node's: the agent stops what it is not assigned
+        job = a.job
+        if job.state != JobState.RUNNING.value or a.attempt != job.attempt or st.model_dump(mode="json") != a.status:
+            return None
+        if reports.node_report(a, st).done_with(expected_ranks(job)):
+            return None
+        if st.checkpoint is not None:  # reports._absorb would take in a newer checkpoint
+            cur = job.last_checkpoint or {}
+            if cur.get("at") is None or st.checkpoint.at > cur["at"]:
+                return None
+        if st.progress is not None:  # ... or newer progress
+            cur = job.progress or {}
+            if cur.get("at") is None or (st.progress.at >= cur["at"] and st.progress.model_dump(mode="json") != cur):
+                return None
+    assignments = [a for _, a in assigned(allocs, settings)]
+    reply_digest = digest(assignments)
+    reported = {(st.job_id, st.attempt) for st in hb.attempts}
+    if hb.assignments_digest == reply_digest and any(
+            a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported for a in assignments):
+        return None  # an unreported stop to release (reports.release_unreported_stops)
+    # node_health.on_heartbeat without reports or a pending run: the quick-round count
+    quick = first.n_quick or 0
+    every = settings.validation.quick_every_heartbeats
+    if every and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
+        quick += 1
+        if quick >= every:
+            return None  # the round is due: the ORM pass asks for it
+    metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
+    values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
+    if hb.gpus:
+        values.update(metrics_store.latest_gpu_columns(hb.gpus, settings))
+    session.execute(update(Node.__table__).where(Node.__table__.c.name == hb.node).values(**values))
+    reply = ServerReply(node=hb.node, assignments=assignments, assignments_digest=reply_digest,
+                        heartbeat_interval_s=settings.agent.heartbeat_interval_s,
+                        lost_after_s=settings.agent.lost_after_s, validations=[])
+    if seen is not None:
+        seen["state"] = state
+        seen["heartbeats_since_quick"] = quick
+    session.commit()
+    return reply
 
 
 def current_reply(*, session: Session, node_name: str, settings: Settings) -> ServerReply:
