@@ -37,6 +37,9 @@ def test_ticks_come_back_and_the_epoch_holds_while_they_do(redis_url):
 
 def test_ticks_that_stop_coming_back_move_the_epoch_until_they_come_again(redis_url):
     n = RedisNotifier(redis_url, tick_s=0.05, stale_s=1.0)
+    # another process ticking on the channel: the listener is never idle, and that must not hide
+    # that its own ticks stopped coming back
+    busy = RedisNotifier(redis_url, tick_s=0.02)
     try:
         assert _until(lambda: n.ticks_heard >= 1)
         channel, heard = n.CHANNEL, n.ticks_heard
@@ -55,6 +58,7 @@ def test_ticks_that_stop_coming_back_move_the_epoch_until_they_come_again(redis_
         assert n.epoch == settled
     finally:
         n.close()
+        busy.close()
 
 
 def test_a_publish_that_failed_is_sent_again(redis_url):

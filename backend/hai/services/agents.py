@@ -20,14 +20,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import and_, bindparam, select, update
+from sqlalchemy import and_, bindparam, insert, select, update
 from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, Node
+from hai.db.models import Job, JobAllocation, Node, ValidationRun
 from hai.domain.jobs import JobState
 from hai.domain.nodes import NodeState
-from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, Heartbeat, ServerReply
+from hai.protocol import (SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, GpuInfo, Heartbeat,
+                          ServerReply, ValidationRequest)
 from hai.services import metrics_store, node_health, notify, reports
 from hai.services.assignments import (active_allocations, active_allocations_of, assigned, assignments_for, digest,
                                       expected_ranks)
@@ -198,8 +199,9 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
 # as objects, the node's UPDATE through the unit of work's flush: 40% of it); this one reads the
 # node, whether it has a pending validation run, and its active allocations with their jobs in one
 # statement, checks that the ORM pass would change nothing but liveness, and writes liveness with
-# one UPDATE. Anything else (a report that changed, a stop to release, a quick round due, a
-# pending run, a node neither ready nor drained) goes the ORM way, in the same transaction (the
+# one UPDATE (and, when the node's quick round falls due, the run's INSERT: the round's request
+# costs no ORM pass either). Anything else (a report that changed, a stop to release, validation
+# results, a pending run, a node neither ready nor drained) goes the ORM way, in the same transaction (the
 # node's row stays locked), as before.
 _QUIET_STATES = (NodeState.READY.value, NodeState.DRAINED.value)
 
@@ -280,21 +282,35 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     if hb.assignments_digest == reply_digest and any(
             a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported for a in assignments):
         return None  # an unreported stop to release (reports.release_unreported_stops)
-    # node_health.on_heartbeat without reports or a pending run: the quick-round count
+    # node_health.on_heartbeat without reports or a pending run: the quick-round count, and the
+    # round when it falls due (request_validation, delivered in this reply: pending_requests)
     quick = first.n_quick or 0
     every = settings.validation.quick_every_heartbeats
+    run_id = None
     if every and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
         quick += 1
         if quick >= every:
-            return None  # the round is due: the ORM pass asks for it
+            quick = 0
+            run_id = session.execute(insert(ValidationRun.__table__).values(
+                node_name=hb.node, level="quick", trigger="periodic", status=node_health.PENDING,
+                requested_by="validator", requested_at=now, delivered_at=now, summary="",
+            ).returning(ValidationRun.__table__.c.id)).scalar_one()
     metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
     values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
     if hb.gpus:
         values.update(metrics_store.latest_gpu_columns(hb.gpus, settings))
-    session.execute(update(Node.__table__).where(Node.__table__.c.name == hb.node).values(**values))
+    n = Node.__table__
+    stmt = update(n).where(n.c.name == hb.node).values(**values)
+    validations = []
+    if run_id is None:
+        session.execute(stmt)
+    else:  # the run carries the node's registered inventory (the GPU check compares against it)
+        inventory = session.execute(stmt.returning(n.c.gpu_inventory)).scalar_one()
+        validations = [ValidationRequest(run_id=run_id, level="quick",
+                                         expected_gpus=[GpuInfo.model_validate(g) for g in inventory or []])]
     reply = ServerReply(node=hb.node, assignments=assignments, assignments_digest=reply_digest,
                         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
-                        lost_after_s=settings.agent.lost_after_s, validations=[])
+                        lost_after_s=settings.agent.lost_after_s, validations=validations)
     if seen is not None:
         seen["state"] = state
         seen["heartbeats_since_quick"] = quick

@@ -124,8 +124,8 @@ class RedisNotifier(Notifier):
     COALESCED = frozenset({SCHEDULER})
     # issue 12: proof that notifications arrive. Every TICK_S this process publishes a tick (a
     # message without topics, which other processes ignore) and its listener hears it back; a
-    # tick sent and not heard for STALE_S while the listener has nothing else to read means that
-    # what others publish may not arrive either (a subscription that died without an error, a
+    # tick sent and not heard for STALE_S means that what others publish may not arrive either,
+    # or arrives that late (a subscription that died without an error, a
     # half-open connection, a Redis restart between two reads): the epoch moves then, and again
     # every listener round until a tick comes back, so nothing cached against topic versions
     # (the heartbeat reply cache) outlives a silent loss by more than about STALE_S.
@@ -236,14 +236,17 @@ class RedisNotifier(Notifier):
                 log.warning("Redis notify listener error; retrying", exc_info=True)
                 self._stop.wait(1.0)
                 continue
+            # a tick still unheard after stale_s: lost on the way, or this listener is that far
+            # behind (what others publish reaches it at least that late): either way what was
+            # cached against topic versions may be stale. Checked after every read, not only when
+            # the subscription is idle: with a tick per process per second it seldom is.
+            unheard = self._unheard_since
+            if unheard is not None and time.monotonic() - unheard > self.stale_s:
+                self.epoch += 1
+                if not stale:
+                    log.warning("no tick back from Redis for %.0f s: notifications may be lost", self.stale_s)
+                stale = True
             if not msg:
-                # nothing left to read: a tick still unheard after stale_s was lost on the way
-                unheard = self._unheard_since
-                if unheard is not None and time.monotonic() - unheard > self.stale_s:
-                    self.epoch += 1
-                    if not stale:
-                        log.warning("no tick back from Redis for %.0f s: notifications may be lost", self.stale_s)
-                    stale = True
                 continue
             data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
             origin, _, topics = data.partition("|")
