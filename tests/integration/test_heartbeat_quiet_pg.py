@@ -1,4 +1,4 @@
-"""Issue 12 (fifth pass): a full heartbeat that changes nothing but the node's liveness runs in
+"""Issue 12 (the fan-in's fourth pass): a full heartbeat that changes nothing but the node's liveness runs in
 Core (``services.agents._quiet_heartbeat``: one statement reads the node, its pending-run flag and
 its active allocations with their jobs; one UPDATE writes liveness; a quick round that falls due is
 one INSERT more), and everything else goes the ORM way as before. On PostgreSQL, the same cluster is driven through the same heartbeats twice,

@@ -1,4 +1,4 @@
-"""The Redis notifier proves that notifications arrive (issue 12, fifth pass): each process
+"""The Redis notifier proves that notifications arrive (issue 12, the fan-in's fourth pass): each process
 publishes a tick that its own listener hears back, and a tick not heard back while nothing else
 is waiting to be read moves the epoch (what was cached against topic versions is read again); a
 publish that failed is sent again instead of dropped. These are what let the heartbeat reply

@@ -13,6 +13,7 @@ running: its GPUs are released) and the reply.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -201,8 +202,8 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
 # statement, checks that the ORM pass would change nothing but liveness, and writes liveness with
 # one UPDATE (and, when the node's quick round falls due, the run's INSERT: the round's request
 # costs no ORM pass either). Anything else (a report that changed, a stop to release, validation
-# results, a pending run, a node neither ready nor drained) goes the ORM way, in the same transaction (the
-# node's row stays locked), as before.
+# results, a pending run, a node neither ready nor drained) goes the ORM way, in the same
+# transaction (the node's row stays locked), as before.
 _QUIET_STATES = (NodeState.READY.value, NodeState.DRAINED.value)
 
 
@@ -213,27 +214,26 @@ class _Row:
         self.__dict__.update(kw)
 
 
+# every attribute of a job and an allocation that assignments.launch_spec / action_for and
+# reports.node_report read (one they start reading fails here at once, in every heartbeat test)
 _JOB_COLUMNS = ("id", "name", "user_name", "command", "env", "job_type", "nodes", "gpus_per_node", "master_addr",
                 "master_port", "last_checkpoint", "progress", "suspend_grace_s", "log_watchdog_s", "max_runtime_s",
                 "state", "desired_action", "attempt")
 _ALLOC_COLUMNS = ("job_id", "attempt", "node_name", "node_rank", "gpus", "status")
-_quiet_stmt = None
 
 
+@functools.cache
 def _quiet_statement():  # noqa: ANN202 - built once, compiled once (SQLAlchemy's statement cache)
-    global _quiet_stmt
-    if _quiet_stmt is None:
-        n, a, j = Node.__table__, JobAllocation.__table__, Job.__table__
-        _quiet_stmt = (
-            select(n.c.state.label("n_state"), n.c.heartbeats_since_quick.label("n_quick"),
-                   n.c.agent_version.label("n_agent_version"), node_health.has_pending_run().label("n_pending"),
-                   *(a.c[c].label("a_" + c) for c in _ALLOC_COLUMNS), *(j.c[c].label("j_" + c) for c in _JOB_COLUMNS))
-            .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active.is_(True))))
-            .where(n.c.name == bindparam("node"))
-            .order_by(a.c.job_id, a.c.attempt)
-            .with_for_update(key_share=True, of=n)  # as the ORM pass locks it (issue 13: the reaper)
-        )
-    return _quiet_stmt
+    n, a, j = Node.__table__, JobAllocation.__table__, Job.__table__
+    return (
+        select(n.c.state.label("n_state"), n.c.heartbeats_since_quick.label("n_quick"),
+               n.c.agent_version.label("n_agent_version"), node_health.has_pending_run().label("n_pending"),
+               *(a.c[c].label("a_" + c) for c in _ALLOC_COLUMNS), *(j.c[c].label("j_" + c) for c in _JOB_COLUMNS))
+        .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active.is_(True))))
+        .where(n.c.name == bindparam("node"))
+        .order_by(a.c.job_id, a.c.attempt)
+        .with_for_update(key_share=True, of=n)  # as the ORM pass locks it (issue 13: the reaper)
+    )
 
 
 def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now, seen: dict | None) -> ServerReply | None:  # noqa: ANN001
@@ -379,7 +379,7 @@ class ReplyCache:
     requests), which moves its version; the notifier's epoch moves when notifications may have
     been lost; and an entry lives ``ttl_s`` at most.
 
-    Why ``ttl_s`` can be long (60 s by default since issue 12's fifth pass; it was 10 s, and the
+    Why ``ttl_s`` can be long (60 s by default since the fan-in's fourth pass; it was 10 s, and the
     entries that ran out were half of the fan-in's full passes): an entry is stale only if a
     change's notification did not reach this process, and each way that happens now moves the
     epoch or is put right: a Redis error on the listener moves it; a subscription that died
@@ -394,7 +394,9 @@ class ReplyCache:
 
     Why a node answered this way is never found silent by the reaper: every answer is written
     within ``flush_s`` (while the database takes writes), and the entry it came from was made by
-    a full heartbeat that wrote the node's liveness at most ``ttl_s`` ago. A batched write only
+    a full heartbeat that wrote the node's liveness itself: the node's last heartbeat in the
+    database is never older than its last answer plus ``flush_s``, however long the entry lives
+    (``ttl_s`` may exceed ``lost_after_s``). A batched write only
     touches a node still in the state its entry was made in (a reaper's or an admin's change
     wins, and its notification drops the entry)."""
 

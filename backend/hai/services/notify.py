@@ -125,8 +125,8 @@ class RedisNotifier(Notifier):
     # issue 12: proof that notifications arrive. Every TICK_S this process publishes a tick (a
     # message without topics, which other processes ignore) and its listener hears it back; a
     # tick sent and not heard for STALE_S means that what others publish may not arrive either,
-    # or arrives that late (a subscription that died without an error, a
-    # half-open connection, a Redis restart between two reads): the epoch moves then, and again
+    # or arrives that late (a subscription that died without an error, a half-open connection, a
+    # Redis restart between two reads, a listener that far behind): the epoch moves then, and again
     # every listener round until a tick comes back, so nothing cached against topic versions
     # (the heartbeat reply cache) outlives a silent loss by more than about STALE_S.
     TICK_S = 1.0
@@ -257,7 +257,6 @@ class RedisNotifier(Notifier):
                 self._unheard_since = None
                 self.ticks_heard += 1
                 stale = False
-
 
     def close(self) -> None:
         self._stop.set()
