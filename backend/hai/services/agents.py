@@ -245,7 +245,7 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
         return None  # unknown node: the ORM pass answers (reregister)
     first = rows[0]
     state = first.n_state
-    if state not in _QUIET_STATES or first.n_pending:
+    if state not in _QUIET_STATES:
         return None
     allocs = []
     jobs: dict[int, _Row] = {}
@@ -282,19 +282,33 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     if hb.assignments_digest == reply_digest and any(
             a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported for a in assignments):
         return None  # an unreported stop to release (reports.release_unreported_stops)
-    # node_health.on_heartbeat without reports or a pending run: the quick-round count, and the
-    # round when it falls due (request_validation, delivered in this reply: pending_requests)
+    # runs the agent was asked for and is still running (a full validation takes minutes): listed
+    # in every reply until answered (node_health.pending_requests); one not delivered yet is
+    # marked delivered by the ORM pass
+    vr = ValidationRun.__table__
+    runs: list[tuple[int, str]] = []
+    if first.n_pending:
+        for r in session.execute(select(vr.c.id, vr.c.level, vr.c.delivered_at)
+                                 .where(vr.c.node_name == hb.node, vr.c.status == node_health.PENDING).order_by(vr.c.id)):
+            if r.delivered_at is None:
+                return None
+            runs.append((r.id, r.level))
+    # node_health.on_heartbeat without reports: the quick-round count (not while a run waits), and
+    # the round when it falls due (request_validation, delivered in this reply: pending_requests)
     quick = first.n_quick or 0
     every = settings.validation.quick_every_heartbeats
-    run_id = None
     if every and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
-        quick += 1
+        if not runs:
+            quick += 1
         if quick >= every:
+            if runs:
+                return None  # a round due while a run waits: the ORM pass's rule
             quick = 0
-            run_id = session.execute(insert(ValidationRun.__table__).values(
+            run_id = session.execute(insert(vr).values(
                 node_name=hb.node, level="quick", trigger="periodic", status=node_health.PENDING,
                 requested_by="validator", requested_at=now, delivered_at=now, summary="",
-            ).returning(ValidationRun.__table__.c.id)).scalar_one()
+            ).returning(vr.c.id)).scalar_one()
+            runs.append((run_id, "quick"))
     metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
     values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
     if hb.gpus:
@@ -302,12 +316,12 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     n = Node.__table__
     stmt = update(n).where(n.c.name == hb.node).values(**values)
     validations = []
-    if run_id is None:
+    if not runs:
         session.execute(stmt)
-    else:  # the run carries the node's registered inventory (the GPU check compares against it)
+    else:  # a run carries the node's registered inventory (the GPU check compares against it)
         inventory = session.execute(stmt.returning(n.c.gpu_inventory)).scalar_one()
-        validations = [ValidationRequest(run_id=run_id, level="quick",
-                                         expected_gpus=[GpuInfo.model_validate(g) for g in inventory or []])]
+        expected = [GpuInfo.model_validate(g) for g in inventory or []]
+        validations = [ValidationRequest(run_id=i, level=level, expected_gpus=expected) for i, level in runs]
     reply = ServerReply(node=hb.node, assignments=assignments, assignments_digest=reply_digest,
                         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
                         lost_after_s=settings.agent.lost_after_s, validations=validations)
