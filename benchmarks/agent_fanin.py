@@ -418,7 +418,8 @@ async def run(args) -> dict:  # noqa: ANN001, C901
                 out.mkdir(parents=True, exist_ok=True)
                 for p in server_procs[1:] or server_procs:
                     spies.append(subprocess.Popen(
-                        [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-r", "100", "-f",
+                        [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-r", "100",
+                         *(["--gil"] if args.py_spy_gil else []), "-f",
                          "raw", "-d", str(int(args.seconds)), "-p", str(p.pid), "-o", str(out / f"server-{p.pid}.txt")],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             c0 = {"server": cpu_s(server_procs), "scheduler": cpu_s(sched_procs), "generator": cpu_s(me),
@@ -508,6 +509,17 @@ async def run(args) -> dict:  # noqa: ANN001, C901
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)'))
         admin.dispose()
+        # what each worker's reply cache did over the whole run (its line at shutdown), summed
+        cache: dict = {"answered": 0, "full_passes": {}}
+        log_path = tmp / "server.log"
+        for line in (log_path.read_text(errors="replace").splitlines() if log_path.exists() else []):
+            if "heartbeat reply cache: " in line:
+                c = json.loads(line.split("heartbeat reply cache: ", 1)[1])
+                cache["answered"] += c["answered"]
+                for why, n in c["full_passes"].items():
+                    cache["full_passes"][why] = cache["full_passes"].get(why, 0) + n
+        if cache["answered"] or cache["full_passes"]:
+            result["reply_cache_whole_run"] = cache
 
 
 def main() -> None:
@@ -533,6 +545,7 @@ def main() -> None:
                     or os.environ.get("HAI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server and scheduler")
     ap.add_argument("--py-spy", default="", help="folder: profile each server worker over the window")
+    ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: sample only the thread holding the GIL")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.client == "raw":

@@ -3,7 +3,7 @@
 parsed and validated, middleware, the node credential, the service, the reply serialized.
 
     python benchmarks/agent_heartbeat_http.py --repeat 600                 # steady (reply cache) and full
-    python benchmarks/agent_heartbeat_http.py --profile /tmp/hb.prof       # also cProfile the steady beats
+    python benchmarks/agent_heartbeat_http.py --profile /tmp/hb.prof       # also cProfile the beats (/tmp/hb.prof.steady, .full)
 
 A node of 8 GPUs holding two running 4-GPU jobs (the fan-in benchmark's node) heartbeats with
 8 GPUs' metrics (figures changing every beat) and both attempts' status, echoing the digest
@@ -179,10 +179,11 @@ def main() -> None:
                     or os.environ.get("HAI_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"))
     ap.add_argument("--redis-url", default=os.environ.get("HAI_BENCH_REDIS_URL")
                     or os.environ.get("HAI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    ap.add_argument("--profile", default=None, help="cProfile the steady beats into this file")
+    ap.add_argument("--profile", default=None, help="cProfile the measured beats into this file (FILE.MODE with several modes)")
     args = ap.parse_args()
     rows = [measure(m, repeat=args.repeat, db_server=args.database_url, redis_url=args.redis_url,
-                    profile=args.profile if m == "steady" else None) for m in args.modes]
+                    profile=(args.profile if len(args.modes) == 1 else f"{args.profile}.{m}") if args.profile else None)
+            for m in args.modes]
     print(json.dumps({"load_avg": [round(x, 2) for x in os.getloadavg()], "rows": rows}, indent=1))
 
 

@@ -82,10 +82,12 @@ class AgentSettings(BaseModel):
     master_port_base: int = 29500
     default_suspend_grace_s: float = 60.0
     stop_grace_s: float = 10.0
-    reply_cache_s: float = Field(default=10.0, ge=0, description=(
+    reply_cache_s: float = Field(default=60.0, ge=0, description=(
         "with Redis: a steady heartbeat (the report and the held assignments unchanged, all of them "
         "running) is answered from the API process's cache, without the database (liveness written in "
-        "batches, liveness_flush_s), for at most this long; any change to the node's assignments invalidates it at once (0: never)"))
+        "batches, liveness_flush_s), for at most this long; any change to the node's assignments invalidates it at once, "
+        "and so does a notification path found silent (RedisNotifier's ticks): this bound is only the backstop for a "
+        "notification its publisher never sent (it died between its commit and its publish) (0: never)"))
     access_log_heartbeats: bool = Field(default=False, description=(
         "log every heartbeat answered 2xx in hai server's access log (a line per node per second); "
         "refused heartbeats are logged either way"))

@@ -4,9 +4,10 @@ reports a stopped attempt gets its GPUs released."""
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import event
 
 from hai.protocol import AttemptStatus, Heartbeat, RankStatus
-from hai.services import agents, assignments
+from hai.services import assignments
 from hai.services.scheduling import run_cycle
 
 
@@ -27,21 +28,24 @@ def running(job_id: int, attempt: int = 1) -> AttemptStatus:
 
 
 @pytest.fixture
-def counted(monkeypatch):
+def counted(api, monkeypatch):
+    """Statements that read the node's allocations (the ORM pass's ``active_allocations`` or the
+    quiet pass's one statement, issue 12), and assignments built."""
     calls = {"queries": 0, "assignments": 0}
-    real_query, real_build = agents.active_allocations, assignments.assignment_of
+    real_build = assignments.assignment_of
 
-    def query(*a, **kw):
-        calls["queries"] += 1
-        return real_query(*a, **kw)
+    def statement(conn, cursor, sql, params, context, executemany):  # noqa: ANN001, ANN202
+        if sql.lstrip().upper().startswith("SELECT") and "job_allocations" in sql:
+            calls["queries"] += 1
 
     def build(*a, **kw):
         calls["assignments"] += 1
         return real_build(*a, **kw)
 
-    monkeypatch.setattr(agents, "active_allocations", query)
+    event.listen(api.platform.engine, "before_cursor_execute", statement)
     monkeypatch.setattr(assignments, "assignment_of", build)
-    return calls
+    yield calls
+    event.remove(api.platform.engine, "before_cursor_execute", statement)
 
 
 def test_a_heartbeat_builds_each_assignment_once(api, counted):

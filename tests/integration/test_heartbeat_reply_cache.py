@@ -6,6 +6,7 @@ once: PostgreSQL + Redis, two platforms standing for two processes."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -327,3 +328,34 @@ def test_a_steady_heartbeat_is_answered_before_routing_and_everything_else_reach
             r = client.post("/api/v1/agent/heartbeat", json=body, headers={"Authorization": f"Bearer {user_token}"})
             assert r.status_code == 403
         assert early.answered == answered
+
+
+def test_a_silent_notification_path_sends_the_next_heartbeat_through_the_service(two):
+    """Entries live HAI_AGENT__REPLY_CACHE_S (60 s): that is safe because a notification path that
+    goes silent (here: this process's ticks no longer reach its listener) moves the epoch, and no
+    entry made before is used after it."""
+    api_platform, other = two
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        n.beat()  # a full pass that the cache keeps
+        cache = app.state.reply_cache
+        hits = cache.hits
+        n.beat()
+        assert cache.hits == hits + 1
+        notifier = api_platform.notifier
+        notifier.stale_s = 0.5
+        channel, epoch = notifier.CHANNEL, notifier.epoch
+        notifier.CHANNEL = f"elsewhere-{uuid.uuid4().hex}"  # its ticks go where it does not listen
+        try:
+            deadline = time.monotonic() + 30
+            while notifier.epoch == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert notifier.epoch != epoch, "the silent path did not move the epoch"
+        finally:
+            notifier.CHANNEL = channel
+        passes = dict(cache.full_passes)
+        assert n.beat()["assignments_digest"] == n.digest
+        assert cache.hits == hits + 1, "answered from an entry made before the path went silent"
+        assert cache.full_passes.get("epoch", 0) == passes.get("epoch", 0) + 1

@@ -61,6 +61,9 @@ async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _age
             return Response(steady.body, media_type="application/json")
         reply = steady.reply
     else:
+        if cache is not None:
+            cache.miss(hb, version=since, epoch=epoch)
+
         def _apply() -> ServerReply:
             with platform.sessions() as session:
                 seen: dict = {}

@@ -13,21 +13,26 @@ running: its GPUs are released) and the reply.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import random
 import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import and_, bindparam, insert, select, update
 from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
-from hai.db.models import Node
+from hai.db.models import Job, JobAllocation, Node, ValidationRun
+from hai.domain.jobs import JobState
 from hai.domain.nodes import NodeState
-from hai.protocol import SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, Heartbeat, ServerReply
+from hai.protocol import (SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, GpuInfo, Heartbeat,
+                          ServerReply, ValidationRequest)
 from hai.services import metrics_store, node_health, notify, reports
-from hai.services.assignments import active_allocations, active_allocations_of, assigned, assignments_for, digest
+from hai.services.assignments import (active_allocations, active_allocations_of, assigned, assignments_for, digest,
+                                      expected_ranks)
 from hai.services.errors import UnsupportedProtocol
 from hai.services.jobs import publish_after_commit
 from hai.services.node_state import create_node
@@ -88,6 +93,10 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
+    if not hb.validations:  # issue 12: a heartbeat that changes nothing but liveness, in Core
+        reply = _quiet_heartbeat(session, hb, settings=settings, now=now, seen=seen)
+        if reply is not None:
+            return reply
     # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
     # a heartbeat overwrites the metrics and reads the inventory only for a validation run
     # the node's row first, held to the commit (FOR NO KEY UPDATE: allocations' foreign keys
@@ -184,6 +193,145 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
     return _reply(session, node, [a for _, a in held], settings, pending=pending)
 
 
+# -- a full heartbeat that changes nothing but liveness, without the ORM (issue 12) ---------------
+# Most heartbeats that miss the reply cache change nothing: the entry ran out, the node's first
+# heartbeat at this API process, the first after its assignments changed (the agent still echoes
+# the old digest). The ORM pass cost 6-12 ms of CPU for that (the node and allocations loaded
+# as objects, the node's UPDATE through the unit of work's flush: 40% of it); this one reads the
+# node, whether it has a pending validation run, and its active allocations with their jobs in one
+# statement, checks that the ORM pass would change nothing but liveness, and writes liveness with
+# one UPDATE (and, when the node's quick round falls due, the run's INSERT: the round's request
+# costs no ORM pass either). Anything else (a report that changed, a stop to release, validation
+# results, a pending run, a node neither ready nor drained) goes the ORM way, in the same
+# transaction (the node's row stays locked), as before.
+_QUIET_STATES = (NodeState.READY.value, NodeState.DRAINED.value)
+
+
+class _Row:
+    """An allocation or a job as ``assignments.assignment_of`` and ``reports.node_report`` read it."""
+
+    def __init__(self, **kw) -> None:  # noqa: ANN003
+        self.__dict__.update(kw)
+
+
+# every attribute of a job and an allocation that assignments.launch_spec / action_for and
+# reports.node_report read (one they start reading fails here at once, in every heartbeat test)
+_JOB_COLUMNS = ("id", "name", "user_name", "command", "env", "job_type", "nodes", "gpus_per_node", "master_addr",
+                "master_port", "last_checkpoint", "progress", "suspend_grace_s", "log_watchdog_s", "max_runtime_s",
+                "state", "desired_action", "attempt")
+_ALLOC_COLUMNS = ("job_id", "attempt", "node_name", "node_rank", "gpus", "status")
+
+
+@functools.cache
+def _quiet_statement():  # noqa: ANN202 - built once, compiled once (SQLAlchemy's statement cache)
+    n, a, j = Node.__table__, JobAllocation.__table__, Job.__table__
+    return (
+        select(n.c.state.label("n_state"), n.c.heartbeats_since_quick.label("n_quick"),
+               n.c.agent_version.label("n_agent_version"), node_health.has_pending_run().label("n_pending"),
+               *(a.c[c].label("a_" + c) for c in _ALLOC_COLUMNS), *(j.c[c].label("j_" + c) for c in _JOB_COLUMNS))
+        .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active.is_(True))))
+        .where(n.c.name == bindparam("node"))
+        .order_by(a.c.job_id, a.c.attempt)
+        .with_for_update(key_share=True, of=n)  # as the ORM pass locks it (issue 13: the reaper)
+    )
+
+
+def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now, seen: dict | None) -> ServerReply | None:  # noqa: ANN001
+    """The heartbeat in Core when it changes nothing but the node's liveness (last heartbeat, latest
+    GPU figures, the quick-round count), else None (the caller goes on the ORM way; the node's row
+    is locked either way)."""
+    rows = session.execute(_quiet_statement(), {"node": hb.node}).all()
+    if not rows:
+        return None  # unknown node: the ORM pass answers (reregister)
+    first = rows[0]
+    state = first.n_state
+    if state not in _QUIET_STATES:
+        return None
+    allocs = []
+    jobs: dict[int, _Row] = {}
+    for r in rows:
+        if r.a_job_id is None:
+            continue
+        job = jobs.get(r.j_id)
+        if job is None:
+            job = jobs[r.j_id] = _Row(**{c: getattr(r, "j_" + c) for c in _JOB_COLUMNS})
+        allocs.append(_Row(job=job, active=True, **{c: getattr(r, "a_" + c) for c in _ALLOC_COLUMNS}))
+    # what reports.apply_reports would do: nothing, when each reported attempt it holds is reported
+    # as last time, for a running job's current attempt that is not over, with nothing to absorb
+    active = {(a.job_id, a.attempt): a for a in allocs}
+    for st in hb.attempts:
+        a = active.get((st.job_id, st.attempt))
+        if a is None:
+            continue  # not the node's: the agent stops what it is not assigned
+        job = a.job
+        if job.state != JobState.RUNNING.value or a.attempt != job.attempt or st.model_dump(mode="json") != a.status:
+            return None
+        if reports.node_report(a, st).done_with(expected_ranks(job)):
+            return None
+        if st.checkpoint is not None:  # reports._absorb would take in a newer checkpoint
+            cur = job.last_checkpoint or {}
+            if cur.get("at") is None or st.checkpoint.at > cur["at"]:
+                return None
+        if st.progress is not None:  # ... or newer progress
+            cur = job.progress or {}
+            if cur.get("at") is None or (st.progress.at >= cur["at"] and st.progress.model_dump(mode="json") != cur):
+                return None
+    assignments = [a for _, a in assigned(allocs, settings)]
+    reply_digest = digest(assignments)
+    reported = {(st.job_id, st.attempt) for st in hb.attempts}
+    if hb.assignments_digest == reply_digest and any(
+            a.action == DesiredAction.STOP and (a.job_id, a.attempt) not in reported for a in assignments):
+        return None  # an unreported stop to release (reports.release_unreported_stops)
+    # runs the agent was asked for and is still running (a full validation takes minutes): listed
+    # in every reply until answered (node_health.pending_requests); one not delivered yet is
+    # marked delivered by the ORM pass
+    vr = ValidationRun.__table__
+    runs: list[tuple[int, str]] = []
+    if first.n_pending:
+        for r in session.execute(select(vr.c.id, vr.c.level, vr.c.delivered_at)
+                                 .where(vr.c.node_name == hb.node, vr.c.status == node_health.PENDING).order_by(vr.c.id)):
+            if r.delivered_at is None:
+                return None
+            runs.append((r.id, r.level))
+    # node_health.on_heartbeat without reports: the quick-round count (not while a run waits), and
+    # the round when it falls due (request_validation, delivered in this reply: pending_requests)
+    quick = first.n_quick or 0
+    every = settings.validation.quick_every_heartbeats
+    if every and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
+        if not runs:
+            quick += 1
+        if quick >= every:
+            if runs:
+                return None  # a round due while a run waits: the ORM pass's rule
+            quick = 0
+            run_id = session.execute(insert(vr).values(
+                node_name=hb.node, level="quick", trigger="periodic", status=node_health.PENDING,
+                requested_by="validator", requested_at=now, delivered_at=now, summary="",
+            ).returning(vr.c.id)).scalar_one()
+            runs.append((run_id, "quick"))
+    metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
+    values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
+    if hb.gpus:
+        values.update(metrics_store.latest_gpu_columns(hb.gpus, settings))
+    n = Node.__table__
+    stmt = update(n).where(n.c.name == hb.node).values(**values)
+    validations = []
+    if not runs:
+        session.execute(stmt)
+    else:  # a run carries the node's registered inventory (the GPU check compares against it)
+        inventory = session.execute(stmt.returning(n.c.gpu_inventory)).scalar_one()
+        expected = [GpuInfo.model_validate(g) for g in inventory or []]
+        validations = [ValidationRequest(run_id=i, level=level, expected_gpus=expected) for i, level in runs]
+    reply = ServerReply(node=hb.node, assignments=assignments, assignments_digest=reply_digest,
+                        heartbeat_interval_s=settings.agent.heartbeat_interval_s,
+                        lost_after_s=settings.agent.lost_after_s, validations=validations)
+    if seen is not None:
+        seen["state"] = state
+        seen["heartbeats_since_quick"] = quick
+    session.commit()
+    return reply
+
+
 def current_reply(*, session: Session, node_name: str, settings: Settings) -> ServerReply:
     node = session.scalar(select(Node).where(Node.name == node_name))
     if node is None or node_health.must_reregister(node):  # issue 10
@@ -243,13 +391,26 @@ class ReplyCache:
     buffered as before. Nothing can have changed the node's assignments meanwhile: every change
     publishes the node's topic (``jobs.transition``, starts, node state changes, validation
     requests), which moves its version; the notifier's epoch moves when notifications may have
-    been lost; and an entry lives ``ttl_s`` at most. Only replies whose assignments all say
+    been lost; and an entry lives ``ttl_s`` at most.
+
+    Why ``ttl_s`` can be long (60 s by default since the fan-in's fourth pass; it was 10 s, and the
+    entries that ran out were half of the fan-in's full passes): an entry is stale only if a
+    change's notification did not reach this process, and each way that happens now moves the
+    epoch or is put right: a Redis error on the listener moves it; a subscription that died
+    without one (a half-open connection, a Redis restart between reads) is found by the
+    notifier's own ticks not coming back (``RedisNotifier.STALE_S``, 5 s) and moves it; a publish
+    that failed is sent again (``RedisNotifier.RETRY_S``) instead of dropped. Left to ``ttl_s``:
+    a publisher that died between its commit and its publish, or one cut off from Redis longer
+    than ``ttl_s`` while this process is not; there a change reaches the agent up to ``ttl_s``
+    late, as a missed wake-up would (no state is lost: the database holds the change). Only replies whose assignments all say
     ``run`` and that ask for no validation are kept (a ``stop`` must be released by a full pass,
     a validation answered), and no more answers than leave the quick round un-due.
 
     Why a node answered this way is never found silent by the reaper: every answer is written
     within ``flush_s`` (while the database takes writes), and the entry it came from was made by
-    a full heartbeat that wrote the node's liveness at most ``ttl_s`` ago. A batched write only
+    a full heartbeat that wrote the node's liveness itself: the node's last heartbeat in the
+    database is never older than its last answer plus ``flush_s``, however long the entry lives
+    (``ttl_s`` may exceed ``lost_after_s``). A batched write only
     touches a node still in the state its entry was made in (a reaper's or an admin's change
     wins, and its notification drops the entry)."""
 
@@ -268,6 +429,7 @@ class ReplyCache:
         self._thread: threading.Thread | None = None
         self.hits = 0
         self.flushed = 0  # node rows written by ``flush``
+        self.full_passes: dict[str, int] = {}  # why heartbeats were not answered from the cache (``miss``)
 
     def lookup(self, hb: Heartbeat, *, version: int, epoch: int) -> _Steady | None:
         with self._lock:
@@ -279,6 +441,32 @@ class ReplyCache:
         if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
             return None
         return c
+
+    def miss(self, hb: Heartbeat, *, version: int, epoch: int) -> str:
+        """Why ``lookup`` found no answer for this heartbeat (counted in ``full_passes``; the route
+        calls it for each heartbeat it sends through the service): ``none`` (no entry: the node's
+        first heartbeat here, or its last reply was not steady), ``notified`` (the node's topic
+        moved), ``epoch``, ``expired``, ``quick_due``, ``report`` (validations delivered, another
+        digest or another report), ``answered`` (``answer`` refused it: the round fell due)."""
+        with self._lock:
+            c = self._entries.get(hb.node)
+        if c is None:
+            why = "none"
+        elif c.version != version:
+            why = "notified"
+        elif c.epoch != epoch:
+            why = "epoch"
+        elif c.until <= time.monotonic():
+            why = "expired"
+        elif c.quick_left is not None and c.quick_left <= 0:
+            why = "quick_due"
+        elif hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
+            why = "report"
+        else:
+            why = "answered"
+        with self._lock:
+            self.full_passes[why] = self.full_passes.get(why, 0) + 1
+        return why
 
     def store(self, hb: Heartbeat, reply: ServerReply, *, seen: dict | None, version: int, epoch: int) -> None:
         state = (seen or {}).get("state")
@@ -367,6 +555,9 @@ class ReplyCache:
 
     def close(self) -> None:
         """Stop the writer and write what is noted (the API process is stopping)."""
+        # one line in the server's log (uvicorn's, which every worker has): what the cache did
+        logging.getLogger("uvicorn.error").info(
+            "heartbeat reply cache: %s", json.dumps({"answered": self.hits, "full_passes": self.full_passes}))
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)

@@ -122,9 +122,25 @@ class RedisNotifier(Notifier):
     # queued wake-up.
     COALESCE_S = 0.02
     COALESCED = frozenset({SCHEDULER})
+    # issue 12: proof that notifications arrive. Every TICK_S this process publishes a tick (a
+    # message without topics, which other processes ignore) and its listener hears it back; a
+    # tick sent and not heard for STALE_S means that what others publish may not arrive either,
+    # or arrives that late (a subscription that died without an error, a half-open connection, a
+    # Redis restart between two reads, a listener that far behind): the epoch moves then, and again
+    # every listener round until a tick comes back, so nothing cached against topic versions
+    # (the heartbeat reply cache) outlives a silent loss by more than about STALE_S.
+    TICK_S = 1.0
+    STALE_S = 5.0
+    RETRY_S = 1.0  # a publish that failed is sent again this much later (with what came meanwhile)
 
-    def __init__(self, url: str, *, coalesce_s: float | None = None, coalesced: frozenset[str] | None = None) -> None:
+    def __init__(self, url: str, *, coalesce_s: float | None = None, coalesced: frozenset[str] | None = None,
+                 tick_s: float | None = None, stale_s: float | None = None) -> None:
         super().__init__()
+        self.tick_s = self.TICK_S if tick_s is None else tick_s
+        self.stale_s = self.STALE_S if stale_s is None else stale_s
+        self._tick_at = float("-inf")  # when the last tick was sent
+        self._unheard_since: float | None = None  # when the oldest tick not heard back was sent
+        self.ticks_heard = 0
         import redis
 
         self._origin = uuid.uuid4().hex
@@ -165,18 +181,41 @@ class RedisNotifier(Notifier):
             self._redis.publish(self.CHANNEL, self._origin + "|" + ",".join(topics))
         except Exception:  # Redis can be lost without losing a job: callers poll too
             self.epoch += 1
-            log.warning("could not publish %s to Redis", topics, exc_info=True)
+            log.warning("could not publish %s to Redis (sent again in %.0f s)", topics, self.RETRY_S, exc_info=True)
+            if topics:
+                # issue 12: kept and sent again, not dropped: another process's cached replies are
+                # dropped by this message (a lost one would leave them until their time runs out)
+                with self._out:
+                    self._queued.update(topics)
+                    self._sent_at = max(self._sent_at, time.monotonic() + self.RETRY_S - self.coalesce_s)
+                    self._out.notify()
+
+    def _tick(self) -> None:
+        """Publish a tick (no topics) for this process's listener to hear back (``TICK_S``)."""
+        now = time.monotonic()
+        self._tick_at = now
+        if self._unheard_since is None:
+            self._unheard_since = now
+        self._send(())
 
     def _flush(self) -> None:
         """Send the queued wake-ups once ``coalesce_s`` has passed since the last publish."""
         with self._out:
             while not self._stop.is_set():
+                tick_due = self._tick_at + self.tick_s - time.monotonic()
+                if tick_due <= 0:
+                    self._out.release()
+                    try:
+                        self._tick()
+                    finally:
+                        self._out.acquire()
+                    continue
                 if not self._queued:
-                    self._out.wait()
+                    self._out.wait(tick_due)
                     continue
                 due = self._sent_at + self.coalesce_s - time.monotonic()
                 if due > 0:
-                    self._out.wait(due)
+                    self._out.wait(min(due, tick_due))
                     continue
                 topics = tuple(sorted(self._queued))
                 self._queued.clear()
@@ -188,20 +227,36 @@ class RedisNotifier(Notifier):
                     self._out.acquire()
 
     def _listen(self) -> None:
+        stale = False
         while not self._stop.is_set():
             try:
-                msg = self._pubsub.get_message(timeout=1.0)
+                msg = self._pubsub.get_message(timeout=min(1.0, self.tick_s))
             except Exception:
                 self.epoch += 1
                 log.warning("Redis notify listener error; retrying", exc_info=True)
                 self._stop.wait(1.0)
                 continue
+            # a tick still unheard after stale_s: lost on the way, or this listener is that far
+            # behind (what others publish reaches it at least that late): either way what was
+            # cached against topic versions may be stale. Checked after every read, not only when
+            # the subscription is idle: with a tick per process per second it seldom is.
+            unheard = self._unheard_since
+            if unheard is not None and time.monotonic() - unheard > self.stale_s:
+                self.epoch += 1
+                if not stale:
+                    log.warning("no tick back from Redis for %.0f s: notifications may be lost", self.stale_s)
+                stale = True
             if not msg:
                 continue
             data = msg["data"].decode() if isinstance(msg["data"], bytes) else str(msg["data"])
             origin, _, topics = data.partition("|")
-            if origin != self._origin and topics:
-                self._deliver(topics.split(","))
+            if origin != self._origin:
+                if topics:
+                    self._deliver(topics.split(","))
+            elif not topics:  # our tick: what was sent before it has arrived
+                self._unheard_since = None
+                self.ticks_heard += 1
+                stale = False
 
     def close(self) -> None:
         self._stop.set()
