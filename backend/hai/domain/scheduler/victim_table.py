@@ -36,6 +36,26 @@ past the quantum (-1: none)."""
 class ZoneClasses(NamedTuple):
     idle: list[int]  # nodes holding no indexed job
     freeable: list[FreeableNode]
+    # (filled on first use, per cycle) the freeable nodes that a waiting job of (rank,
+    # time-sharing) may free by rank, cheapest first: [(victims, lost, node)] sorted; and the
+    # zone's freeable nodes by leaf (leaf index -> [FreeableNode])
+    orders: dict[tuple[int, bool], list[tuple[int, float, int]]]
+    by_leaf: dict[int, list[FreeableNode]]
+
+    def order(self, rank: int, time_sharing: bool) -> list[tuple[int, float, int]]:
+        """The freeable nodes whose jobs a waiting job of ``rank`` may suspend by rank (every top
+        rank below ``rank``; with time-sharing also equal, when every job at ``rank`` there is
+        past the quantum), as (victims, lost GPU-seconds, node) in that order: the order in
+        which ``preemption._free_greedily`` frees nodes, before the leaf's potential."""
+        key = (rank, time_sharing)
+        got = self.orders.get(key)
+        if got is None:
+            got = self.orders[key] = sorted(
+                (len(b), lost, o)
+                for o, b, lost, top, top_young in self.freeable
+                if top < rank or (time_sharing and top == rank and top_young < rank)
+            )
+        return got
 
 
 class RunningTable:
@@ -163,7 +183,11 @@ class RunningTable:
                 else:
                     blockers = tuple(i for i, _g in hs)
                     freeable.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
-            got.append(ZoneClasses(idle, freeable))
+            by_leaf: dict[int, list[FreeableNode]] = {}
+            slots = index.slots
+            for e in freeable:
+                by_leaf.setdefault(slots[e[0]].leaf_ix, []).append(e)
+            got.append(ZoneClasses(idle, freeable, {}, by_leaf))
             start += size
         self._zones = got
         return got
