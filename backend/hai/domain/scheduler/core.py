@@ -78,6 +78,7 @@ _RESERVED = attrgetter("reserved_nodes")
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
+_THIRD = itemgetter(2)
 _APPEND = list.append
 
 
@@ -281,7 +282,8 @@ class _Cycle:
         prio_possible = pol.preemption and mpr is not None and mpr < rank
         ahead = self._ahead.get(rank, {})
         waiters = _Waiters()
-        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
+        # (user, nodes, GPUs a node) -> (reason, epoch, jobs, pending reason, their ids)
+        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str, list[int]]] = {}
         final: dict[tuple[str, bool, int], str] = {}  # (placement failure, deferred, class) -> pending reason
         # The fast lane: a plain job all of whose rungs were answered from the memos, without
         # changing anything, leaves (its pending reason, the time-sharing group it joined) under
@@ -291,7 +293,8 @@ class _Cycle:
         # lane). With service classes the key holds the job's class too: the rungs read it (the
         # least-attained-service suspension, whose failures are memoised per class and GPU
         # count, and the "waits behind" sentence) and nothing else of it.
-        lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
+        # key -> (pending reason, the time-sharing group joined or None, that group's job ids or None)
+        lane: dict[tuple, tuple[str, list[QueuedJob] | None, list[int] | None]] = {}
         lane_get = lane.get
         lane_on = self.fast_lane and len(jobs) >= self.fast_lane_min_jobs
         lane_state = self._lane_state()
@@ -314,6 +317,7 @@ class _Cycle:
                 pend[jid] = hit[0]
                 if hit[1] is not None:
                     hit[1].append(job)
+                    hit[2].append(jid)
                 continue
             try:
                 n, g = job.nodes, job.gpus_per_node
@@ -323,7 +327,7 @@ class _Cycle:
                     pend[jid] = "asks for no GPUs; nothing to schedule"
                     self.res.drop(jid)
                     if plain and lane_on:
-                        lane[key] = (pend[jid], None)
+                        lane[key] = (pend[jid], None, None)
                     continue
                 # 2. quota (a job within every cap's least headroom is within its quotas: no call)
                 if quota is not None and n * g > quota.min_headroom:
@@ -332,7 +336,7 @@ class _Cycle:
                         pend[jid] = blocked
                         self.res.drop(jid)
                         if plain and lane_on:
-                            lane[key] = (blocked, None)
+                            lane[key] = (blocked, None, None)
                         continue
                 # 3. placement -> started
                 reason = place_fail.get((n, g, False)) if plain else None
@@ -365,11 +369,12 @@ class _Cycle:
                         grp = groups.get(gkey)
                         if grp is None:
                             # the reason its jobs keep if time-sharing finds nothing for them
-                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
+                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False), [])
                         grp[2].append(job)
+                        grp[4].append(jid)
                         pend[jid] = grp[3]
                         if plain and lane_on:
-                            lane[key] = (grp[3], grp[2])
+                            lane[key] = (grp[3], grp[2], grp[4])
                     else:
                         waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
                         pend[jid] = reason
@@ -391,15 +396,15 @@ class _Cycle:
                 if not plain:
                     self.res.drop(jid)
                 elif memo_only and lane_on:
-                    lane[key] = (got, None)
+                    lane[key] = (got, None, None)
             finally:
                 if lane_on:  # whatever this job changed empties the lane before the next job
                     now_state = self._lane_state()
                     if now_state != lane_state:
                         lane.clear()
                         lane_state = now_state
-        for (user, n, g), (reason, epoch, lst, _final) in groups.items():
-            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
+        for (user, n, g), (reason, epoch, lst, _final, ids) in groups.items():
+            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst, ids)
         return waiters
 
     @staticmethod
@@ -448,6 +453,7 @@ class _Cycle:
                     pend.update(zip(ids[i:m], map(_FIRST, hits)))
                     gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
                     deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
+                    deque(map(_APPEND, filter(None, map(_THIRD, hits)), compress(ids[i:m], gs)), 0)  # and its ids
                     i = m
                 if i < e:  # a miss
                     yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
@@ -844,7 +850,7 @@ class _Cycle:
         usage = self.snap.usage
         oldest: dict[str, tuple[float, int]] = {}
         for user, byshape in groups.items():
-            for _reason, _epoch, lst in byshape.values():
+            for _reason, _epoch, lst, _ids in byshape.values():
                 k = (lst[0].first_submitted_at, lst[0].id)
                 if user not in oldest or k < oldest[user]:
                     oldest[user] = k
@@ -861,14 +867,14 @@ class _Cycle:
                 byshape = groups[user]
                 first = next(iter(byshape.values()))[2][0]
                 if self.facts.could_preempt(first, True):
-                    for reason, _e, lst in byshape.values():
+                    for reason, _e, lst, ids in byshape.values():
                         got = reason + self._note(lst[0], True, True)
-                        pend.update(dict.fromkeys(map(_BY_ID, lst), got))
+                        pend.update(dict.fromkeys(ids, got))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
                 heap.append((job.first_submitted_at, job.id, 0, k, 0))
-            for shape, (_r, _e, lst) in groups.get(user, {}).items():
+            for shape, (_r, _e, lst, _ids) in groups.get(user, {}).items():
                 heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
             heapq.heapify(heap)
             while heap:
@@ -877,7 +883,7 @@ class _Cycle:
                     job, reason, epoch = specials[user][key]
                     self._ts_one(job, reason, epoch)
                     continue
-                reason, epoch, lst = groups[user][key]
+                reason, epoch, lst, _ids = groups[user][key]
                 ok, deferred = self._ts_one(lst[pos], reason, epoch)
                 if ok:
                     if pos + 1 < len(lst):
@@ -908,11 +914,11 @@ class _Cycle:
 
 class _Waiters:
     """The jobs of one priority level that waited past the threshold and may time-share:
-    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order)) for jobs
+    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids)) for jobs
     with nothing reserved, ``specials`` (user -> [(job, reason, epoch)]) for the others."""
 
     __slots__ = ("groups", "specials")
 
     def __init__(self) -> None:
-        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob]]]] = {}
+        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob], list[int]]]] = {}
         self.specials: dict[str, list[tuple[QueuedJob, str, int]]] = {}
