@@ -11,10 +11,15 @@ node) pair by size and lost work (``singles``) and each zone's nodes that could 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, eq, itemgetter
 from typing import NamedTuple
 
 from hai.domain.scheduler.model import Policy, RunningJob
 from hai.domain.scheduler.placement import FreeIndex
+
+_ID = attrgetter("id")
+_SECOND = itemgetter(1)
 
 # The two records below are built by the thousand each cycle and scanned in the planners' inner
 # loops, so they are plain tuples with a fixed layout (a NamedTuple costs ~4% of a Fire-Flyer
@@ -98,6 +103,11 @@ class RunningTable:
         self.pending_mark = [False] * n
         by_name = index.by_name
         held = [0] * len(holders)  # GPUs held on each node by the indexed jobs
+        # every (job, node) pair of ``holders`` as parallel lists (for ``singles``); None when a
+        # job holds two allocations on one node (merged in ``holders``: rare, built from there)
+        pj: list[int] | None = []
+        pg: list[int] = []
+        po: list[int] = []
         for i in members:
             j = jobs[i]
             g = 0
@@ -115,9 +125,14 @@ class RunningTable:
                     for x, (hi, hk) in enumerate(hs):
                         if hi == i:
                             hs[x] = (i, hk + k)
+                    pj = None
                     continue
                 holders[o].append((i, k))
                 mine.append(o)
+                if pj is not None:
+                    pj.append(i)
+                    pg.append(k)
+                    po.append(o)
             self.gpus[i] = g
             self.runtime[i] = now - j.started_at
             since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
@@ -126,6 +141,7 @@ class RunningTable:
                 self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
+        self._pairs = None if pj is None else (pj, pg, po)
 
     def singles(self) -> dict[int, list[VictimOnNode]]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
@@ -134,19 +150,30 @@ class RunningTable:
         scan of every node."""
         got = self._singles
         if got is None:
-            flat = []
             jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
-            # node by node (each (job, node) pair once; the sort fixes the order: no two pairs
-            # are equal, they differ by node or job)
-            for o, hs in enumerate(self.holders):
-                for i, g in hs:
-                    if min_ok[i]:
-                        flat.append((lost[i], g, o, jobs[i].id, i))
-            flat.sort()
-            got = {}
-            for e in flat:
-                got.setdefault(e[1], []).append(e)  # by the victim's GPUs on the node
-            got = {g: got[g] for g in sorted(got, reverse=True)}
+            # each (job, node) pair once (the sort fixes the order: no two pairs are equal, they
+            # differ by node or job)
+            if self._pairs is not None:
+                pj, pg, po = self._pairs
+                flat = sorted(
+                    compress(
+                        zip(map(lost.__getitem__, pj), pg, po, map(_ID, map(jobs.__getitem__, pj)), pj),
+                        map(min_ok.__getitem__, pj),
+                    )
+                )
+            else:
+                flat = []
+                for o, hs in enumerate(self.holders):
+                    for i, g in hs:
+                        if min_ok[i]:
+                            flat.append((lost[i], g, o, jobs[i].id, i))
+                flat.sort()
+            # by the victim's GPUs on the node, largest first, each least lost first
+            sizes = sorted(set(map(_SECOND, flat)), reverse=True)
+            if len(sizes) == 1:
+                got = {sizes[0]: flat}
+            else:
+                got = {g: list(compress(flat, map(eq, map(_SECOND, flat), repeat(g)))) for g in sizes}
             self._singles = got
         return got
 

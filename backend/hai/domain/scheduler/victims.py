@@ -84,7 +84,6 @@ class VictimFacts:
         self._max_qrank = max_queued_rank
         self._facts_ts = self._facts_full = False
         self._table: RunningTable | None = None
-        self._held: list[int] | None = None
 
         suspending = JobState.SUSPENDING
         self.susp_mark = [False] * n  # suspending already (or asked to): never a victim again
@@ -217,22 +216,11 @@ class VictimFacts:
         return self._table
 
     def held(self) -> list[int]:
-        """GPUs held on each node by the jobs that may be victims (the victim table's ``held``,
-        without building the table)."""
-        if self._table is not None:
-            return self._table.held
-        if self._held is None:
-            self.ensure(full=False)
-            by_name = self.index.by_name
-            held = [0] * len(self.index.slots)
-            running = self.snap.running
-            for i in self.members:
-                for a in running[i].allocations:
-                    slot = by_name.get(a.node)
-                    if slot is not None:
-                        held[slot.ord] += len(a.gpus)
-            self._held = held
-        return self._held
+        """GPUs held on each node by the jobs that may be victims (the victim table's ``held``).
+        Asked only by a plan's upper bound (``core._Cycle._may_fit``), which is followed by the
+        plan itself, which builds the table, whenever it passes: a pass of its own over the
+        allocations cost as much again (7 ms of a 10k cycle)."""
+        return self.table.held
 
     def pending_for(self, job_id: int) -> list[int]:
         """The jobs already suspending for this queued job (indices into the table)."""
