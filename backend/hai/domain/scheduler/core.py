@@ -36,7 +36,7 @@ import heapq
 from bisect import bisect_right
 from collections import deque
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, le
+from operator import add, attrgetter, itemgetter, le, not_
 from typing import Iterable
 
 from hai.domain.jobs import Priority
@@ -235,6 +235,7 @@ class _Cycle:
         self._bounds: dict[int, tuple[int, int]] = {}  # memo epoch -> (most GPUs on a node, whole nodes in a zone)
         self._maxfree = -1  # most free GPUs on any node (only shrinks during a cycle)
         self._notes: dict[tuple, str] = {}
+        self._lane_gen = 0  # bumps whenever a fast lane is emptied (``_lane_misses``)
         self.plans_applied = 0
         self._las_nodes: dict[int, list[tuple]] | None = None  # node ord -> possible victims by class
         self._las_chosen: set[int] = set()
@@ -402,14 +403,14 @@ class _Cycle:
                     now_state = self._lane_state()
                     if now_state != lane_state:
                         lane.clear()
+                        self._lane_gen += 1
                         lane_state = now_state
         for (user, n, g), (reason, epoch, lst, _final, ids) in groups.items():
             waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst, ids)
         return waiters
 
-    @staticmethod
     def _lane_misses(
-        lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
+        self, lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
     ) -> Iterable[tuple[QueuedJob, int, int]]:
         """The fast lane over a kept level: the jobs whose lane key the lane does not hold (or
         that are not plain), as (job, key, class) for the ladder of ``_nominate_level``; the
@@ -423,44 +424,67 @@ class _Cycle:
         ``specials``: block -> positions of the jobs that owned reserved nodes or had jobs
         suspending for them when the level began (a superset of the jobs that are not plain
         when their turn comes: during a level only the job whose turn it is claims nodes);
-        they go to the ladder one by one, which tells plain from not."""
+        they go to the ladder one by one, which tells plain from not.
+
+        Where the lane's misses will be is known ahead while the lane only grows: the first job
+        of each key that the lane lacks (``_lane_predict``); the jobs between two such stops
+        are looked up as one run (every lookup still checked: a job the lane turns out not to
+        hold goes to the ladder like any miss). The stops are found again when the lane was
+        emptied (``_lane_gen``) or a run met an unexpected miss."""
         lane_get = lane.get
         for bi, b in enumerate(lv.blocks):
-            jobs, ids, kk, qat, cls = b.jobs, b.ids, b.keys, b.qat, b.cls
+            jobs, ids, cls = b.jobs, b.ids, b.cls
             n = len(jobs)
+            ek = list(map(add, b.keys, map(le, b.qat, repeat(ts_since))))  # each job's lane key
             stops = specials.get(bi, [])
-            stops.append(n)
-            si = 0
             i = 0
-            step = 8
+            plan: list[int] | None = None
+            pi = gen = 0
             while i < n:
-                stop = stops[si]
-                if i == stop:  # not plain, maybe: the ladder decides
-                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
+                if plan is None or gen != self._lane_gen:
+                    plan, pi, gen = self._lane_predict(ek, i, lane, stops, n), 0, self._lane_gen
+                stop = plan[pi]
+                if i < stop:  # a run of hits, as predicted
+                    hits = list(map(lane_get, ek[i:stop]))
+                    try:
+                        k = hits.index(None)
+                    except ValueError:
+                        k = stop - i
+                    if k:
+                        m = i + k
+                        if k < len(hits):
+                            del hits[k:]
+                        pend.update(zip(ids[i:m], map(_FIRST, hits)))
+                        gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
+                        deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
+                        deque(map(_APPEND, filter(None, map(_THIRD, hits)), compress(ids[i:m], gs)), 0)  # and its ids
+                        i = m
+                    if i < stop:  # a miss the prediction did not see: the ladder, then predict again
+                        yield jobs[i], ek[i], cls[i]
+                        i += 1
+                        plan = None
+                        continue
+                if i < n:  # a predicted miss, or a job that may not be plain: the ladder decides
+                    yield jobs[i], ek[i], cls[i]
                     i += 1
-                    si += 1
-                    continue
-                e = min(stop, i + step)
-                hits = list(map(lane_get, map(add, kk[i:e], map(le, qat[i:e], repeat(ts_since)))))
-                try:
-                    k = hits.index(None)
-                except ValueError:
-                    k = e - i
-                if k:
-                    m = i + k
-                    if k < len(hits):
-                        del hits[k:]
-                    pend.update(zip(ids[i:m], map(_FIRST, hits)))
-                    gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
-                    deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
-                    deque(map(_APPEND, filter(None, map(_THIRD, hits)), compress(ids[i:m], gs)), 0)  # and its ids
-                    i = m
-                if i < e:  # a miss
-                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
-                    i += 1
-                    step = 8
-                elif step < 1024:
-                    step *= 2
+                    pi += 1
+
+    @staticmethod
+    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> list[int]:
+        """The positions from ``i`` on where the lane will miss while it only grows (the first
+        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``."""
+        lacking = compress(range(i, n), map(not_, map(lane.__contains__, ek[i:n])))
+        seen: set[int] = set()
+        out: list[int] = []
+        for p in lacking:
+            k = ek[p]
+            if k not in seen:
+                seen.add(k)
+                out.append(p)
+        if stops:
+            out = sorted(set(out).union(p for p in stops if p >= i))
+        out.append(n)
+        return out
 
     def _lane_state(self) -> tuple[int, ...]:
         """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""

@@ -367,7 +367,7 @@ def _free_lazily(
     remaining: dict[int, int] = {}
     rem_lost: dict[int, float] = {}
     potential: dict[int, int] = {}  # leaf -> its nodes free now or that could be freed
-    entry_of: dict[int, FreeableNode] | None = None
+    entry_of = zone.entry_of
 
     def check(e: FreeableNode) -> bool:
         o, blockers, lost_sum, top, top_young = e
@@ -411,8 +411,6 @@ def _free_lazily(
         while pos < n_order and (not heap or order[pos][:2] <= heap[0][:2]):
             k, lo, o = order[pos]
             pos += 1
-            if entry_of is None:
-                entry_of = {e[0]: e for e in zone.freeable}
             if check(entry_of[o]):
                 heapq.heappush(heap, (k, lo, -pot(slots[o].leaf_ix), o))
         if not heap:
@@ -430,8 +428,6 @@ def _free_lazily(
                 s2 = slots[o2]
                 if s2.zone_ix != zone_ix:
                     continue
-                if entry_of is None:
-                    entry_of = {e[0]: e for e in zone.freeable}
                 e2 = entry_of.get(o2)
                 if e2 is None or not check(e2):
                     continue

@@ -43,9 +43,10 @@ class ZoneClasses(NamedTuple):
     freeable: list[FreeableNode]
     # (filled on first use, per cycle) the freeable nodes that a waiting job of (rank,
     # time-sharing) may free by rank, cheapest first: [(victims, lost, node)] sorted; and the
-    # zone's freeable nodes by leaf (leaf index -> [FreeableNode])
+    # zone's freeable nodes by leaf (leaf index -> [FreeableNode]); each freeable node's entry
     orders: dict[tuple[int, bool], list[tuple[int, float, int]]]
     by_leaf: dict[int, list[FreeableNode]]
+    entry_of: dict[int, FreeableNode]  # node -> its entry in ``freeable``
 
     def order(self, rank: int, time_sharing: bool) -> list[tuple[int, float, int]]:
         """The freeable nodes whose jobs a waiting job of ``rank`` may suspend by rank (every top
@@ -214,7 +215,7 @@ class RunningTable:
             slots = index.slots
             for e in freeable:
                 by_leaf.setdefault(slots[e[0]].leaf_ix, []).append(e)
-            got.append(ZoneClasses(idle, freeable, {}, by_leaf))
+            got.append(ZoneClasses(idle, freeable, {}, by_leaf, {e[0]: e for e in freeable}))
             start += size
         self._zones = got
         return got
