@@ -893,7 +893,7 @@ class _Cycle:
                 if self.facts.could_preempt(first, True):
                     for reason, _e, lst, ids in byshape.values():
                         got = reason + self._note(lst[0], True, True)
-                        pend.update(dict.fromkeys(ids, got))
+                        pend.update(zip(ids, repeat(got)))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):

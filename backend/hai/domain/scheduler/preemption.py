@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from hai.domain.scheduler.model import RunningJob
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot, choose_leaves
-from hai.domain.scheduler.victim_table import FreeableNode, RunningTable, VictimOnNode, ZoneClasses
+from hai.domain.scheduler.victim_table import FreeableNode, RunningTable, SortedPairs, VictimOnNode, ZoneClasses
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ def plan_single(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    singles: dict[int, list[VictimOnNode]] | None = None,
+    singles: dict[int, SortedPairs] | None = None,
     *,
     maxfree: int,
 ) -> Plan | None:
@@ -118,7 +118,7 @@ def plan_single(
 
 def _one_victim(
     slots: Sequence[NodeSlot],
-    singles: dict[int, list[VictimOnNode]],
+    singles: dict[int, SortedPairs],
     gpus: int,
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
@@ -148,12 +148,12 @@ def _one_victim(
 
 
 def _nodes_where_victims_suffice(
-    slots: Sequence[NodeSlot], singles: dict[int, list[VictimOnNode]], gpus: int, eligible: Callable[[int], bool]
+    slots: Sequence[NodeSlot], singles: dict[int, SortedPairs], gpus: int, eligible: Callable[[int], bool]
 ) -> list[NodeSlot]:
     """Several victims on one node: only nodes where all eligible victims together suffice."""
     acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
     for bucket in singles.values():
-        for _lost, g, o, _job_id, i in bucket:
+        for _lost, g, o, _job_id, i in bucket.unordered():
             if slots[o].gpus >= gpus and eligible(i):
                 acc[o] = acc.get(o, 0) + g
     return [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]

@@ -11,8 +11,11 @@ node) pair by size and lost work (``singles``) and each zone's nodes that could 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import compress, repeat
-from operator import attrgetter, eq, itemgetter
+import heapq
+from bisect import bisect_right
+from collections.abc import Iterator
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from hai.domain.scheduler.model import Policy, RunningJob
@@ -36,6 +39,37 @@ FreeableNode = tuple[int, tuple[int, ...], float, int, int]
 blockers, lost, top_rank, top_young_rank) = the node's ord, the jobs on it (indices), their lost
 GPU-seconds together, the highest effective rank among them, the highest rank among those not
 past the quantum (-1: none)."""
+
+
+class SortedPairs:
+    """(Possible victim, node) pairs in their order (least lost first), sorted only as far as
+    they are read: iterating yields them in order, popping a heap on demand (a plan reads the
+    first few of ~20,000 pairs; sorting them all was most of ``singles``' cost). ``unordered``:
+    all of them in no particular order."""
+
+    __slots__ = ("done", "heap")
+
+    def __init__(self, pairs: list[VictimOnNode]):
+        heapq.heapify(pairs)
+        self.heap = pairs
+        self.done: list[VictimOnNode] = []  # the least ones, in order
+
+    def __iter__(self) -> Iterator[VictimOnNode]:
+        done, heap = self.done, self.heap
+        k = 0
+        while True:
+            if k == len(done):
+                if not heap:
+                    return
+                done.append(heapq.heappop(heap))
+            yield done[k]
+            k += 1
+
+    def __len__(self) -> int:
+        return len(self.done) + len(self.heap)
+
+    def unordered(self) -> Iterator[VictimOnNode]:
+        return chain(self.done, self.heap)
 
 
 class ZoneClasses(NamedTuple):
@@ -144,19 +178,18 @@ class RunningTable:
         self.held = held
         self._pairs = None if pj is None else (pj, pg, po)
 
-    def singles(self) -> dict[int, list[VictimOnNode]]:
+    def singles(self) -> dict[int, SortedPairs]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
-        first; largest buckets first. Built once per cycle; a waiting job scans it with its own
-        eligibility test, so a single-victim plan is found in the first entries instead of a
-        scan of every node."""
+        first (``SortedPairs``: sorted as far as it is read); largest buckets first. Built once
+        per cycle; a waiting job scans it with its own eligibility test, so a single-victim plan
+        is found in the first entries instead of a scan of every node."""
         got = self._singles
         if got is None:
             jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
-            # each (job, node) pair once (the sort fixes the order: no two pairs are equal, they
-            # differ by node or job)
+            # each (job, node) pair once (no two pairs are equal: they differ by node or job)
             if self._pairs is not None:
                 pj, pg, po = self._pairs
-                flat = sorted(
+                flat = list(
                     compress(
                         zip(map(lost.__getitem__, pj), pg, po, map(_ID, map(jobs.__getitem__, pj)), pj),
                         map(min_ok.__getitem__, pj),
@@ -168,13 +201,19 @@ class RunningTable:
                     for i, g in hs:
                         if min_ok[i]:
                             flat.append((lost[i], g, o, jobs[i].id, i))
-                flat.sort()
-            # by the victim's GPUs on the node, largest first, each least lost first
+            # by the victim's GPUs on the node, largest first
             sizes = sorted(set(map(_SECOND, flat)), reverse=True)
             if len(sizes) == 1:
-                got = {sizes[0]: flat}
+                got = {sizes[0]: SortedPairs(flat)}
             else:
-                got = {g: list(compress(flat, map(eq, map(_SECOND, flat), repeat(g)))) for g in sizes}
+                flat.sort(key=_SECOND)  # stable: each size's pairs in one run
+                got = {}
+                start = 0
+                for g in sorted(sizes):
+                    end = bisect_right(flat, g, lo=start, key=_SECOND)
+                    got[g] = SortedPairs(flat[start:end])
+                    start = end
+                got = {g: got[g] for g in sizes}
             self._singles = got
         return got
 
