@@ -132,7 +132,7 @@ class RunningTable:
         self.holders = holders
         self.nodes_of: list[list[int]] = [[] for _ in jobs]
         self.pending_for: dict[int, list[int]] = {}
-        self._singles: dict[int, list[VictimOnNode]] | None = None
+        self._singles: dict[int, SortedPairs] | None = None
         self._zones: list[ZoneClasses] | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
@@ -143,10 +143,11 @@ class RunningTable:
         pj: list[int] | None = []
         pg: list[int] = []
         po: list[int] = []
+        nodes_of, gpus, runtime, lost, pending_for = self.nodes_of, self.gpus, self.runtime, self.lost, self.pending_for
         for i in members:
             j = jobs[i]
             g = 0
-            mine = self.nodes_of[i]
+            mine = nodes_of[i]
             for a in j.allocations:
                 k = len(a.gpus)
                 g += k
@@ -168,12 +169,12 @@ class RunningTable:
                     pj.append(i)
                     pg.append(k)
                     po.append(o)
-            self.gpus[i] = g
-            self.runtime[i] = now - j.started_at
+            gpus[i] = g
+            runtime[i] = now - j.started_at
             since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
-            self.lost[i] = g * max(0.0, now - since)
+            lost[i] = g * max(0.0, now - since)
             if j.suspend_requested_for is not None:
-                self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
+                pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
         self._pairs = None if pj is None else (pj, pg, po)

@@ -15,6 +15,8 @@ and the table's ``chosen`` marks (victims picked in this cycle).
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import compress, repeat
+from operator import eq
 
 from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler.explain import demotion_sentence
@@ -96,8 +98,9 @@ class VictimFacts:
         above_rank = DEMOTED.rank
         if above_rank in eff:
             demote_after = policy.demote_after_s
-            for i, r in enumerate(running):
-                if eff[i] == above_rank and not self.susp_mark[i]:
+            for i in list(compress(range(n), map(eq, eff, repeat(above_rank)))):  # (most jobs are not)
+                r = running[i]
+                if not self.susp_mark[i]:
                     ran = now - r.started_at
                     if ran >= demote_after:
                         self.demotions.append(Demote(r.id, Priority.NORMAL, demotion_sentence(ran, demote_after)))
