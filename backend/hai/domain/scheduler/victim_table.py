@@ -22,6 +22,7 @@ from hai.domain.scheduler.model import Policy, RunningJob
 from hai.domain.scheduler.placement import FreeIndex
 
 _ID = attrgetter("id")
+_FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 
 # The two records below are built by the thousand each cycle and scanned in the planners' inner
@@ -245,12 +246,13 @@ class RunningTable:
                     if pending[i] or not min_ok[i]:
                         break
                     r = ranks[i]
-                    top = max(top, r)
+                    if r > top:
+                        top = r
                     if not q_ok[i] and r > top_young:
                         top_young = r
                 else:
-                    blockers = tuple(i for i, _g in hs)
-                    freeable.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
+                    blockers = tuple(map(_FIRST, hs))
+                    freeable.append((o, blockers, sum(map(lost.__getitem__, blockers)), top, top_young))
             by_leaf: dict[int, list[FreeableNode]] = {}
             slots = index.slots
             for e in freeable:
