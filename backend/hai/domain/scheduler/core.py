@@ -77,7 +77,6 @@ _RESERVED = attrgetter("reserved_nodes")
 # (its level fixes its priority): the key of the level's fast lane
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 _FIRST = itemgetter(0)
-_SECOND = itemgetter(1)
 _THIRD = itemgetter(2)
 _APPEND = list.append
 
@@ -455,9 +454,10 @@ class _Cycle:
                         if k < len(hits):
                             del hits[k:]
                         pend.update(zip(ids[i:m], map(_FIRST, hits)))
-                        gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
-                        deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
-                        deque(map(_APPEND, filter(None, map(_THIRD, hits)), compress(ids[i:m], gs)), 0)  # and its ids
+                        # the time-sharing group joined (its ids; None: none): the group's job
+                        # list is not appended here, ``_time_share`` reads the members by id
+                        gi = list(map(_THIRD, hits))
+                        deque(map(_APPEND, filter(None, gi), compress(ids[i:m], gi)), 0)
                         i = m
                     if i < stop:  # a miss the prediction did not see: the ladder, then predict again
                         yield jobs[i], ek[i], cls[i]
@@ -884,6 +884,7 @@ class _Cycle:
                 oldest[user] = k
         pend = self.decisions.pending_reasons
         cap = self.policy.max_preemptions_per_cycle
+        byid = self._kept_q._byid if self._kept is not None else None
         for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
             if self.plans_applied >= cap and user not in specials:
                 # the cycle's preemption budget is spent: a user's groups are either deferred
@@ -898,7 +899,11 @@ class _Cycle:
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
                 heap.append((job.first_submitted_at, job.id, 0, k, 0))
-            for shape, (_r, _e, lst, _ids) in groups.get(user, {}).items():
+            members: dict[tuple[int, int], list[QueuedJob]] = {}
+            for shape, (_r, _e, lst, ids) in groups.get(user, {}).items():
+                if byid is not None:  # the kept lane appended ids only: the jobs by id
+                    lst = list(map(byid.__getitem__, ids))
+                members[shape] = lst
                 heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
             heapq.heapify(heap)
             while heap:
@@ -907,7 +912,8 @@ class _Cycle:
                     job, reason, epoch = specials[user][key]
                     self._ts_one(job, reason, epoch)
                     continue
-                reason, epoch, lst, _ids = groups[user][key]
+                reason, epoch, _lst, _ids = groups[user][key]
+                lst = members[key]
                 ok, deferred = self._ts_one(lst[pos], reason, epoch)
                 if ok:
                     if pos + 1 < len(lst):
@@ -938,7 +944,8 @@ class _Cycle:
 
 class _Waiters:
     """The jobs of one priority level that waited past the threshold and may time-share:
-    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids)) for jobs
+    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids;
+    with the kept queue the job list holds only the members the ladder saw, the ids all)) for jobs
     with nothing reserved, ``specials`` (user -> [(job, reason, epoch)]) for the others."""
 
     __slots__ = ("groups", "specials")
