@@ -79,6 +79,7 @@ _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_z
 _FIRST = itemgetter(0)
 _THIRD = itemgetter(2)
 _APPEND = list.append
+_MISSING = object()
 
 
 def schedule(snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None) -> Decisions:
@@ -277,6 +278,7 @@ class _Cycle:
         place_fail, plan_fail = self.memo.place_fail, self.memo.plan_fail
         pend = self.decisions.pending_reasons
         quota = self.quota if self.quota.enabled else None
+        qmemo = self.quota.memo
         cap = pol.max_preemptions_per_cycle
         mpr = self.facts.min_preemptible_rank
         prio_possible = pol.preemption and mpr is not None and mpr < rank
@@ -331,7 +333,10 @@ class _Cycle:
                     continue
                 # 2. quota (a job within every cap's least headroom is within its quotas: no call)
                 if quota is not None and n * g > quota.min_headroom:
-                    blocked = quota.blocked(job)
+                    # the book's memo read here (a method call per job cost ~1.5% of a 10k cycle)
+                    blocked = qmemo.get((job.group, job.user, id(job.priority), n * g), _MISSING)
+                    if blocked is _MISSING:
+                        blocked = quota.blocked(job)
                     if blocked:
                         pend[jid] = blocked
                         self.res.drop(jid)
