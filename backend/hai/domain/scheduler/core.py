@@ -225,7 +225,14 @@ class _Cycle:
             self.levels = _levels(snapshot.queued)[0]
         # 2. the snapshot's state, each part with its owner
         self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
-        self.facts = VictimFacts(snapshot, policy, now, self.index, self.levels[0][0] if self.levels else -1)
+        self.facts = VictimFacts(
+            snapshot,
+            policy,
+            now,
+            self.index,
+            self.levels[0][0] if self.levels else -1,
+            kept.ids() if self._kept is not None else None,  # type: ignore[union-attr]
+        )
         self.decisions.demotions = self.facts.demotions
         self.quota = QuotaBook(snapshot.quotas)  # everything holding GPUs counts, at its effective priority
         self.quota.charge_all(snapshot.running, self.facts.eff_rank)

@@ -56,11 +56,22 @@ class SortedPairs:
         self.done: list[VictimOnNode] = []  # the least ones, in order
 
     def __iter__(self) -> Iterator[VictimOnNode]:
+        if not self.heap:
+            return iter(self.done)
+        return self._reading()
+
+    def _reading(self) -> Iterator[VictimOnNode]:
         done, heap = self.done, self.heap
         k = 0
         while True:
             if k == len(done):
                 if not heap:
+                    return
+                if k >= 64:  # read deep (plans whose first pairs do not fit): sort the rest at once
+                    heap.sort()
+                    done.extend(heap)
+                    heap.clear()
+                    yield from done[k:]
                     return
                 done.append(heapq.heappop(heap))
             yield done[k]

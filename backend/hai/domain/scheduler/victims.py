@@ -65,7 +65,15 @@ def rank(p: Priority) -> int:
 
 
 class VictimFacts:
-    def __init__(self, snapshot: Snapshot, policy: Policy, now: float, index: FreeIndex, max_queued_rank: int):
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        policy: Policy,
+        now: float,
+        index: FreeIndex,
+        max_queued_rank: int,
+        queued_ids: dict[int, object] | None = None,
+    ):
         self.snap, self.policy, self.now, self.index = snapshot, policy, now, index
         running = snapshot.running
         n = len(running)
@@ -81,7 +89,8 @@ class VictimFacts:
         self.ts_users: dict[int, dict[str, int]] = {}  # rank -> user -> jobs past the quantum
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
         self.demotions: list[Demote] = []
-        self._queued_ids: dict[int, bool] | None = None
+        # the queued jobs' ids (membership only; the kept queue's id -> job map when there is one)
+        self._queued_ids: dict[int, object] | None = queued_ids
         self._young: dict[int, int] | None = None
         self._max_qrank = max_queued_rank
         self._facts_ts = self._facts_full = False
@@ -111,7 +120,7 @@ class VictimFacts:
             self.ensure(full=True)  # a lower-priority job may be preempted: look at all
 
     @property
-    def queued_ids(self) -> dict[int, bool]:
+    def queued_ids(self) -> dict[int, object]:
         if self._queued_ids is None:
             self._queued_ids = {j.id: True for j in self.snap.queued}
         return self._queued_ids
