@@ -10,10 +10,9 @@ node) pair by size and lost work (``singles``) and each zone's nodes that could 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import heapq
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, compress
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
@@ -87,11 +86,10 @@ class SortedPairs:
 class ZoneClasses(NamedTuple):
     idle: list[int]  # nodes holding no indexed job
     freeable: list[FreeableNode]
-    # (filled on first use, per cycle) the freeable nodes that a waiting job of (rank,
-    # time-sharing) may free by rank, cheapest first: [(victims, lost, node)] sorted; and the
-    # zone's freeable nodes by leaf (leaf index -> [FreeableNode]); each freeable node's entry
+    # (``order``, filled on first use in the cycle) the freeable nodes that a waiting job of
+    # (rank, time-sharing) may free by rank, cheapest first: [(victims, lost, node)] sorted
     orders: dict[tuple[int, bool], list[tuple[int, float, int]]]
-    by_leaf: dict[int, list[FreeableNode]]
+    by_leaf: dict[int, list[FreeableNode]]  # leaf index -> its freeable nodes
     entry_of: dict[int, FreeableNode]  # node -> its entry in ``freeable``
 
     def order(self, rank: int, time_sharing: bool) -> list[tuple[int, float, int]]:
