@@ -13,6 +13,12 @@ interpreter's start cancel out). Prints one JSON object.
 --running 20000 --queued 100000 --cycles 2``, a few minutes). ``--kept``: the cycles with the
 queue kept across them (``KeptQueue``), built by a first cycle in both runs.
 
+``--save-snapshot FILE`` writes the snapshot of the size asked, pickled (outside valgrind: building
+the 10k snapshot under callgrind takes longer than its cycles); ``--snapshot FILE`` then counts
+cycles of that snapshot instead of building one (the 10k counts of issue 12:
+``--save-snapshot /tmp/s10k.pkl --nodes 10000 --running 20000 --queued 100000``, then
+``--snapshot /tmp/s10k.pkl --kept --cycles 2``).
+
 ``--settings``: as ``scheduler_cycle.py --settings``, the policy from the ``HAI_SCHEDULER__*``
 settings and the queued jobs with attained service (e.g. the recommended least-attained-service
 classes of issue 16):
@@ -35,14 +41,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 
 
-def _inner(cycles: int, settings: bool, size: tuple[int, int, int] = (1250, 2000, 10000), kept: bool = False) -> None:
+def _inner(
+    cycles: int, settings: bool, size: tuple[int, int, int] = (1250, 2000, 10000), kept: bool = False, snapshot: str = ""
+) -> None:
     sys.path.insert(0, str(ROOT.parent / "backend"))
     sys.path.insert(0, str(ROOT))
     from scheduler_cycle import NOW, build_snapshot, with_attained_service
 
     from hai.domain.scheduler import KeptQueue, Policy, schedule
 
-    snap = build_snapshot(*size, 0)
+    if snapshot:
+        import pickle
+
+        with open(snapshot, "rb") as f:
+            snap = pickle.load(f)
+    else:
+        snap = build_snapshot(*size, 0)
     policy = Policy()
     if settings:
         from hai.settings import get_settings
@@ -80,16 +94,29 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=10000)
     ap.add_argument("--kept", action="store_true", help="cycles with the queue kept across them (KeptQueue)")
     ap.add_argument("--cycles", type=int, default=3, help="cycles of the second run (the first runs 1)")
+    ap.add_argument("--snapshot", default="", help="count cycles of this pickled snapshot (see --save-snapshot)")
+    ap.add_argument("--save-snapshot", default="", metavar="FILE", help="write the snapshot of the size asked, pickled, and stop")
     args = ap.parse_args()
     size = (args.nodes, args.running, args.queued)
+    if args.save_snapshot:
+        import pickle
+
+        sys.path.insert(0, str(ROOT.parent / "backend"))
+        from scheduler_cycle import build_snapshot
+
+        with open(args.save_snapshot, "wb") as f:
+            pickle.dump(build_snapshot(*size, 0), f, protocol=5)
+        return
     if args.inner is not None:
-        _inner(args.inner, args.settings, size, args.kept)
+        _inner(args.inner, args.settings, size, args.kept, args.snapshot)
         return
     extra = ["--nodes", str(args.nodes), "--running", str(args.running), "--queued", str(args.queued)]
     extra += ["--kept"] if args.kept else []
+    extra += ["--snapshot", os.path.abspath(args.snapshot)] if args.snapshot else []
     one, many = _count(1, args.settings, extra), _count(args.cycles, args.settings, extra)
     out = {"instructions_per_cycle": (many - one) // (args.cycles - 1), "run_1_cycle": one, f"run_{args.cycles}_cycles": many}
-    print(json.dumps({"policy": "settings" if args.settings else "default", "size": list(size), "kept": args.kept, **out}))
+    print(json.dumps({"policy": "settings" if args.settings else "default", "size": list(size), "kept": args.kept,
+                      **({"snapshot": args.snapshot} if args.snapshot else {}), **out}))  # fmt: skip
 
 
 if __name__ == "__main__":

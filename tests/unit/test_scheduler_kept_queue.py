@@ -130,3 +130,25 @@ def test_a_stale_reservation_index_is_caught(monkeypatch):
     monkeypatch.setattr(kept_mod.KeptQueue, "_rebuild", rebuild)
     differ, _kept = _compare(POLICIES["fifo-levels"], 0, attained=False)
     assert differ != []
+
+
+def test_a_job_twice_is_not_taken_for_a_kept_queue():
+    """``sync`` proves the kept order by object identity: the very objects kept, and no other.
+    A snapshot holding one object twice, or two objects of one job id (a new row beside the
+    kept one), is not a queue the kept order can serve: the cycle orders from scratch, and the
+    kept order is still good for the next, proper snapshot."""
+    from dataclasses import replace
+
+    snap = build_snapshot(60, 100, 400, 3)
+    pol = Policy(**FIFO_LEVELS)
+    kept = KeptQueue()
+    assert kept.sync(snap, pol) is not None and kept.rebuilds == 1
+    q = snap.queued
+    twice = replace(snap, queued=q + (q[7],))
+    assert kept.sync(twice, pol) is None
+    new_row = replace(snap, queued=q + (replace(q[7], reserved_nodes=("n0",)),))
+    assert kept.sync(new_row, pol) is None
+    assert canonical(schedule(new_row, pol, NOW, kept=kept)) == canonical(schedule(new_row, pol, NOW))
+    levels = kept.sync(snap, pol)
+    assert levels is not None and kept.rebuilds == 1 and kept.added == kept.removed == 0
+    assert [j.id for lv in levels for j in lv] == [j.id for lv in KeptQueue().sync(snap, pol) for j in lv]

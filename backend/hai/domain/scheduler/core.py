@@ -36,7 +36,7 @@ import heapq
 from bisect import bisect_right
 from collections import deque
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, le
+from operator import add, attrgetter, itemgetter, le, not_
 from typing import Iterable
 
 from hai.domain.jobs import Priority
@@ -77,8 +77,9 @@ _RESERVED = attrgetter("reserved_nodes")
 # (its level fixes its priority): the key of the level's fast lane
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 _FIRST = itemgetter(0)
-_SECOND = itemgetter(1)
+_THIRD = itemgetter(2)
 _APPEND = list.append
+_MISSING = object()
 
 
 def schedule(snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None) -> Decisions:
@@ -224,7 +225,14 @@ class _Cycle:
             self.levels = _levels(snapshot.queued)[0]
         # 2. the snapshot's state, each part with its owner
         self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
-        self.facts = VictimFacts(snapshot, policy, now, self.index, self.levels[0][0] if self.levels else -1)
+        self.facts = VictimFacts(
+            snapshot,
+            policy,
+            now,
+            self.index,
+            self.levels[0][0] if self.levels else -1,
+            kept.ids() if self._kept is not None else None,  # type: ignore[union-attr]
+        )
         self.decisions.demotions = self.facts.demotions
         self.quota = QuotaBook(snapshot.quotas)  # everything holding GPUs counts, at its effective priority
         self.quota.charge_all(snapshot.running, self.facts.eff_rank)
@@ -234,6 +242,7 @@ class _Cycle:
         self._bounds: dict[int, tuple[int, int]] = {}  # memo epoch -> (most GPUs on a node, whole nodes in a zone)
         self._maxfree = -1  # most free GPUs on any node (only shrinks during a cycle)
         self._notes: dict[tuple, str] = {}
+        self._lane_gen = 0  # bumps whenever a fast lane is emptied (``_lane_misses``)
         self.plans_applied = 0
         self._las_nodes: dict[int, list[tuple]] | None = None  # node ord -> possible victims by class
         self._las_chosen: set[int] = set()
@@ -276,12 +285,14 @@ class _Cycle:
         place_fail, plan_fail = self.memo.place_fail, self.memo.plan_fail
         pend = self.decisions.pending_reasons
         quota = self.quota if self.quota.enabled else None
+        qmemo = self.quota.memo
         cap = pol.max_preemptions_per_cycle
         mpr = self.facts.min_preemptible_rank
         prio_possible = pol.preemption and mpr is not None and mpr < rank
         ahead = self._ahead.get(rank, {})
         waiters = _Waiters()
-        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str]] = {}
+        # (user, nodes, GPUs a node) -> (reason, epoch, jobs, pending reason, their ids)
+        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str, list[int]]] = {}
         final: dict[tuple[str, bool, int], str] = {}  # (placement failure, deferred, class) -> pending reason
         # The fast lane: a plain job all of whose rungs were answered from the memos, without
         # changing anything, leaves (its pending reason, the time-sharing group it joined) under
@@ -291,7 +302,8 @@ class _Cycle:
         # lane). With service classes the key holds the job's class too: the rungs read it (the
         # least-attained-service suspension, whose failures are memoised per class and GPU
         # count, and the "waits behind" sentence) and nothing else of it.
-        lane: dict[tuple, tuple[str, list[QueuedJob] | None]] = {}
+        # key -> (pending reason, the time-sharing group joined or None, that group's job ids or None)
+        lane: dict[tuple, tuple[str, list[QueuedJob] | None, list[int] | None]] = {}
         lane_get = lane.get
         lane_on = self.fast_lane and len(jobs) >= self.fast_lane_min_jobs
         lane_state = self._lane_state()
@@ -314,6 +326,7 @@ class _Cycle:
                 pend[jid] = hit[0]
                 if hit[1] is not None:
                     hit[1].append(job)
+                    hit[2].append(jid)
                 continue
             try:
                 n, g = job.nodes, job.gpus_per_node
@@ -323,16 +336,19 @@ class _Cycle:
                     pend[jid] = "asks for no GPUs; nothing to schedule"
                     self.res.drop(jid)
                     if plain and lane_on:
-                        lane[key] = (pend[jid], None)
+                        lane[key] = (pend[jid], None, None)
                     continue
                 # 2. quota (a job within every cap's least headroom is within its quotas: no call)
                 if quota is not None and n * g > quota.min_headroom:
-                    blocked = quota.blocked(job)
+                    # the book's memo read here (a method call per job cost ~1.5% of a 10k cycle)
+                    blocked = qmemo.get((job.group, job.user, id(job.priority), n * g), _MISSING)
+                    if blocked is _MISSING:
+                        blocked = quota.blocked(job)
                     if blocked:
                         pend[jid] = blocked
                         self.res.drop(jid)
                         if plain and lane_on:
-                            lane[key] = (blocked, None)
+                            lane[key] = (blocked, None, None)
                         continue
                 # 3. placement -> started
                 reason = place_fail.get((n, g, False)) if plain else None
@@ -365,11 +381,12 @@ class _Cycle:
                         grp = groups.get(gkey)
                         if grp is None:
                             # the reason its jobs keep if time-sharing finds nothing for them
-                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False))
+                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False), [])
                         grp[2].append(job)
+                        grp[4].append(jid)
                         pend[jid] = grp[3]
                         if plain and lane_on:
-                            lane[key] = (grp[3], grp[2])
+                            lane[key] = (grp[3], grp[2], grp[4])
                     else:
                         waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
                         pend[jid] = reason
@@ -391,20 +408,20 @@ class _Cycle:
                 if not plain:
                     self.res.drop(jid)
                 elif memo_only and lane_on:
-                    lane[key] = (got, None)
+                    lane[key] = (got, None, None)
             finally:
                 if lane_on:  # whatever this job changed empties the lane before the next job
                     now_state = self._lane_state()
                     if now_state != lane_state:
                         lane.clear()
+                        self._lane_gen += 1
                         lane_state = now_state
-        for (user, n, g), (reason, epoch, lst, _final) in groups.items():
-            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst)
+        for (user, n, g), (reason, epoch, lst, _final, ids) in groups.items():
+            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst, ids)
         return waiters
 
-    @staticmethod
     def _lane_misses(
-        lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
+        self, lv: Level, ts_since: float, lane: dict, pend: dict[int, str], specials: dict[int, list[int]]
     ) -> Iterable[tuple[QueuedJob, int, int]]:
         """The fast lane over a kept level: the jobs whose lane key the lane does not hold (or
         that are not plain), as (job, key, class) for the ladder of ``_nominate_level``; the
@@ -418,43 +435,68 @@ class _Cycle:
         ``specials``: block -> positions of the jobs that owned reserved nodes or had jobs
         suspending for them when the level began (a superset of the jobs that are not plain
         when their turn comes: during a level only the job whose turn it is claims nodes);
-        they go to the ladder one by one, which tells plain from not."""
+        they go to the ladder one by one, which tells plain from not.
+
+        Where the lane's misses will be is known ahead while the lane only grows: the first job
+        of each key that the lane lacks (``_lane_predict``); the jobs between two such stops
+        are looked up as one run (every lookup still checked: a job the lane turns out not to
+        hold goes to the ladder like any miss). The stops are found again when the lane was
+        emptied (``_lane_gen``) or a run met an unexpected miss."""
         lane_get = lane.get
         for bi, b in enumerate(lv.blocks):
-            jobs, ids, kk, qat, cls = b.jobs, b.ids, b.keys, b.qat, b.cls
+            jobs, ids, cls = b.jobs, b.ids, b.cls
             n = len(jobs)
+            ek = list(map(add, b.keys, map(le, b.qat, repeat(ts_since))))  # each job's lane key
             stops = specials.get(bi, [])
-            stops.append(n)
-            si = 0
             i = 0
-            step = 8
+            plan: list[int] | None = None
+            pi = gen = 0
             while i < n:
-                stop = stops[si]
-                if i == stop:  # not plain, maybe: the ladder decides
-                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
+                if plan is None or gen != self._lane_gen:
+                    plan, pi, gen = self._lane_predict(ek, i, lane, stops, n), 0, self._lane_gen
+                stop = plan[pi]
+                if i < stop:  # a run of hits, as predicted
+                    hits = list(map(lane_get, ek[i:stop]))
+                    try:
+                        k = hits.index(None)
+                    except ValueError:
+                        k = stop - i
+                    if k:
+                        m = i + k
+                        if k < len(hits):
+                            del hits[k:]
+                        pend.update(zip(ids[i:m], map(_FIRST, hits)))
+                        # the time-sharing group joined (its ids; None: none): the group's job
+                        # list is not appended here, ``_time_share`` reads the members by id
+                        gi = list(map(_THIRD, hits))
+                        deque(map(_APPEND, filter(None, gi), compress(ids[i:m], gi)), 0)
+                        i = m
+                    if i < stop:  # a miss the prediction did not see: the ladder, then predict again
+                        yield jobs[i], ek[i], cls[i]
+                        i += 1
+                        plan = None
+                        continue
+                if i < n:  # a predicted miss, or a job that may not be plain: the ladder decides
+                    yield jobs[i], ek[i], cls[i]
                     i += 1
-                    si += 1
-                    continue
-                e = min(stop, i + step)
-                hits = list(map(lane_get, map(add, kk[i:e], map(le, qat[i:e], repeat(ts_since)))))
-                try:
-                    k = hits.index(None)
-                except ValueError:
-                    k = e - i
-                if k:
-                    m = i + k
-                    if k < len(hits):
-                        del hits[k:]
-                    pend.update(zip(ids[i:m], map(_FIRST, hits)))
-                    gs = list(map(_SECOND, hits))  # the time-sharing group joined (never empty), or None
-                    deque(map(_APPEND, filter(None, gs), compress(jobs[i:m], gs)), 0)
-                    i = m
-                if i < e:  # a miss
-                    yield jobs[i], kk[i] + (qat[i] <= ts_since), cls[i]
-                    i += 1
-                    step = 8
-                elif step < 1024:
-                    step *= 2
+                    pi += 1
+
+    @staticmethod
+    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> list[int]:
+        """The positions from ``i`` on where the lane will miss while it only grows (the first
+        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``."""
+        lacking = compress(range(i, n), map(not_, map(lane.__contains__, ek[i:n])))
+        seen: set[int] = set()
+        out: list[int] = []
+        for p in lacking:
+            k = ek[p]
+            if k not in seen:
+                seen.add(k)
+                out.append(p)
+        if stops:
+            out = sorted(set(out).union(p for p in stops if p >= i))
+        out.append(n)
+        return out
 
     def _lane_state(self) -> tuple[int, ...]:
         """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""
@@ -844,7 +886,7 @@ class _Cycle:
         usage = self.snap.usage
         oldest: dict[str, tuple[float, int]] = {}
         for user, byshape in groups.items():
-            for _reason, _epoch, lst in byshape.values():
+            for _reason, _epoch, lst, _ids in byshape.values():
                 k = (lst[0].first_submitted_at, lst[0].id)
                 if user not in oldest or k < oldest[user]:
                     oldest[user] = k
@@ -854,6 +896,7 @@ class _Cycle:
                 oldest[user] = k
         pend = self.decisions.pending_reasons
         cap = self.policy.max_preemptions_per_cycle
+        byid = self._kept_q._byid if self._kept is not None else None
         for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
             if self.plans_applied >= cap and user not in specials:
                 # the cycle's preemption budget is spent: a user's groups are either deferred
@@ -861,14 +904,18 @@ class _Cycle:
                 byshape = groups[user]
                 first = next(iter(byshape.values()))[2][0]
                 if self.facts.could_preempt(first, True):
-                    for reason, _e, lst in byshape.values():
+                    for reason, _e, lst, ids in byshape.values():
                         got = reason + self._note(lst[0], True, True)
-                        pend.update(dict.fromkeys(map(_BY_ID, lst), got))
+                        pend.update(zip(ids, repeat(got)))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
                 heap.append((job.first_submitted_at, job.id, 0, k, 0))
-            for shape, (_r, _e, lst) in groups.get(user, {}).items():
+            members: dict[tuple[int, int], list[QueuedJob]] = {}
+            for shape, (_r, _e, lst, ids) in groups.get(user, {}).items():
+                if byid is not None:  # the kept lane appended ids only: the jobs by id
+                    lst = list(map(byid.__getitem__, ids))
+                members[shape] = lst
                 heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
             heapq.heapify(heap)
             while heap:
@@ -877,7 +924,8 @@ class _Cycle:
                     job, reason, epoch = specials[user][key]
                     self._ts_one(job, reason, epoch)
                     continue
-                reason, epoch, lst = groups[user][key]
+                reason, epoch, _lst, _ids = groups[user][key]
+                lst = members[key]
                 ok, deferred = self._ts_one(lst[pos], reason, epoch)
                 if ok:
                     if pos + 1 < len(lst):
@@ -908,11 +956,12 @@ class _Cycle:
 
 class _Waiters:
     """The jobs of one priority level that waited past the threshold and may time-share:
-    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order)) for jobs
+    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids;
+    with the kept queue the job list holds only the members the ladder saw, the ids all)) for jobs
     with nothing reserved, ``specials`` (user -> [(job, reason, epoch)]) for the others."""
 
     __slots__ = ("groups", "specials")
 
     def __init__(self) -> None:
-        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob]]]] = {}
+        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob], list[int]]]] = {}
         self.specials: dict[str, list[tuple[QueuedJob, str, int]]] = {}

@@ -210,7 +210,8 @@ class KeptQueue:
             self._reset(classes)
         byid = self._byid
         ids = list(map(_ID, queued))
-        if len(set(ids)) != len(ids):
+        idset = set(ids)
+        if len(idset) != len(ids):
             return None  # a job twice: not a queue
         same = list(map(is_, map(byid.get, ids), queued))  # the very object kept for that id
         n_same = same.count(True)
@@ -223,7 +224,7 @@ class KeptQueue:
             changed = list(compress(queued, map(not_, same)))  # arrived, or a new object (its row changed)
             gone = [byid[j.id] for j in changed if j.id in byid]
             if len(gone) < len(byid) - n_same:  # and the kept jobs no longer queued
-                gone += map(byid.__getitem__, byid.keys() - set(ids))
+                gone += map(byid.__getitem__, byid.keys() - idset)
             ok = True
             for job in gone:
                 ok = self._remove(job) and ok
@@ -280,6 +281,10 @@ class KeptQueue:
             if got is not None:
                 out.setdefault(got[0], []).append(got[1])
         return {bi: sorted(set(lst)) for bi, lst in out.items()}
+
+    def ids(self) -> dict[int, QueuedJob]:
+        """The kept jobs by id (after ``sync``: exactly the snapshot's queue). Read only."""
+        return self._byid
 
     def reserved(self) -> list[QueuedJob]:
         """The kept jobs with reserved nodes (in no particular order)."""

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from hai.domain.scheduler.model import RunningJob
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot, choose_leaves
-from hai.domain.scheduler.victim_table import RunningTable, VictimOnNode, ZoneClasses
+from hai.domain.scheduler.victim_table import FreeableNode, RunningTable, SortedPairs, VictimOnNode, ZoneClasses
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ def plan_single(
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
     pending: list[int],
-    singles: dict[int, list[VictimOnNode]] | None = None,
+    singles: dict[int, SortedPairs] | None = None,
     *,
     maxfree: int,
 ) -> Plan | None:
@@ -118,7 +118,7 @@ def plan_single(
 
 def _one_victim(
     slots: Sequence[NodeSlot],
-    singles: dict[int, list[VictimOnNode]],
+    singles: dict[int, SortedPairs],
     gpus: int,
     usable: Callable[[NodeSlot], bool],
     eligible: Callable[[int], bool],
@@ -148,12 +148,12 @@ def _one_victim(
 
 
 def _nodes_where_victims_suffice(
-    slots: Sequence[NodeSlot], singles: dict[int, list[VictimOnNode]], gpus: int, eligible: Callable[[int], bool]
+    slots: Sequence[NodeSlot], singles: dict[int, SortedPairs], gpus: int, eligible: Callable[[int], bool]
 ) -> list[NodeSlot]:
     """Several victims on one node: only nodes where all eligible victims together suffice."""
     acc: dict[int, int] = {}  # node ord -> GPUs of eligible victims there
     for bucket in singles.values():
-        for _lost, g, o, _job_id, i in bucket:
+        for _lost, g, o, _job_id, i in bucket.unordered():
             if slots[o].gpus >= gpus and eligible(i):
                 acc[o] = acc.get(o, 0) + g
     return [slots[o] for o in sorted(acc) if len(slots[o].free) + acc[o] >= gpus]
@@ -259,14 +259,17 @@ def plan_multi(
         if size < nodes:
             continue
         if fast is not None:
-            cand = _classified_candidates(fast[z], index, table, gpus_per_node, usable, same_user, rank, time_sharing)
+            got = _free_lazily(fast[z], z, index, table, nodes, gpus_per_node, usable, same_user, rank, time_sharing)
+            if got is None:
+                continue
+            freed, cand = got
         else:
             cand = _scanned_candidates(zone_slots, table, gpus_per_node, usable, eligible, pend)
-        if len(cand.free_now) + len(cand.need_of) < nodes:
-            continue
-        freed = _free_greedily(cand, index, table, nodes)
-        if freed is None:
-            continue
+            if len(cand.free_now) + len(cand.need_of) < nodes:
+                continue
+            freed = _free_greedily(cand, index, table, nodes)
+            if freed is None:
+                continue
         placed = _place_on_freed(freed, cand, index, table, nodes)
         if placed is None:
             continue
@@ -319,6 +322,126 @@ def _classified_candidates(
                 li = slot.leaf_ix
                 potential[li] = potential.get(li, 0) + 1
     return _Candidates(free_now, need_of, lost_of, {}, potential)
+
+
+def _free_lazily(
+    zone: ZoneClasses,
+    z: int,
+    index: FreeIndex,
+    table: RunningTable,
+    nodes: int,
+    gpus_per_node: int,
+    usable: Callable[[NodeSlot], bool],
+    same_user: Callable[[int], bool] | None,
+    rank: int,
+    time_sharing: bool,
+) -> tuple[list[int], _Candidates] | None:
+    """``_classified_candidates`` and ``_free_greedily`` together, the same nodes freed in the
+    same order, without looking at every freeable node of the zone: the zone's nodes come
+    cheapest first from the per-cycle order (``ZoneClasses.order``: victims, lost; the greedy
+    heap's key before the leaf's potential) and enter the heap only when their (victims, lost)
+    is not above the heap's least, so the heap pops what the full heap would pop; a node's live
+    facts (GPUs taken by this cycle's starts, victims already chosen, reservations, the user
+    rule) are checked when it is reached or when a victim it shares is chosen, and a leaf's
+    potential (its nodes that could be freed) is counted when first needed (it reads only
+    facts that do not change during the plan). (freed nodes, the candidates they came from:
+    the nodes free now and the looked-at nodes needing victims) or None: the zone cannot
+    free enough."""
+    slots = index.slots
+    free_now: list[int] = []
+    free_by_leaf: dict[int, int] = {}
+    for o in zone.idle:
+        slot = slots[o]
+        if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
+            free_now.append(o)
+            li = slot.leaf_ix
+            free_by_leaf[li] = free_by_leaf.get(li, 0) + 1
+    need_of: dict[int, tuple[int, ...] | list[int]] = {}
+    cand = _Candidates(free_now, need_of, {}, {}, {})
+    freed = list(free_now)
+    if len(freed) >= nodes:
+        return freed, cand
+    held, chosen, lost, nodes_of = table.held, table.chosen, table.lost, table.nodes_of
+    zone_ix = z
+    looked: dict[int, bool] = {}  # node -> may be freed for this job (checked once)
+    remaining: dict[int, int] = {}
+    rem_lost: dict[int, float] = {}
+    potential: dict[int, int] = {}  # leaf -> its nodes free now or that could be freed
+    entry_of = zone.entry_of
+
+    def check(e: FreeableNode) -> bool:
+        o, blockers, lost_sum, top, top_young = e
+        got = looked.get(o)
+        if got is not None:
+            return got
+        ok = False
+        if top < rank or (time_sharing and top == rank and top_young < rank):
+            slot = slots[o]
+            if slot.gpus >= gpus_per_node and held[o] + len(slot.free) == slot.gpus:
+                for i in blockers:
+                    if chosen[i] or (same_user is not None and same_user(i)):
+                        break
+                else:
+                    ok = usable(slot)
+        looked[o] = ok
+        if ok:
+            need_of[o] = blockers
+            remaining[o] = len(blockers)
+            rem_lost[o] = lost_sum
+        return ok
+
+    def pot(li: int) -> int:
+        got = potential.get(li)
+        if got is None:
+            got = free_by_leaf.get(li, 0)
+            for e in zone.by_leaf.get(li, ()):
+                if check(e):
+                    got += 1
+            potential[li] = got
+        return got
+
+    order = zone.order(rank, time_sharing)
+    n_order = len(order)
+    pos = 0
+    heap: list[tuple[int, float, int, int]] = []
+    done: dict[int, bool] = {}
+    chosen_mark: dict[int, bool] = {}
+    while len(freed) < nodes:
+        # every node not yet in the heap costs more (victims, lost) than the heap's least
+        while pos < n_order and (not heap or order[pos][:2] <= heap[0][:2]):
+            k, lo, o = order[pos]
+            pos += 1
+            if check(entry_of[o]):
+                heapq.heappush(heap, (k, lo, -pot(slots[o].leaf_ix), o))
+        if not heap:
+            break
+        cnt, lst, _pot, o = heapq.heappop(heap)
+        if done.get(o) or cnt != remaining[o] or lst != rem_lost[o]:
+            continue  # stale entry
+        for i in need_of[o]:
+            if chosen_mark.get(i):
+                continue
+            chosen_mark[i] = True
+            for o2 in nodes_of[i]:
+                if done.get(o2):
+                    continue
+                s2 = slots[o2]
+                if s2.zone_ix != zone_ix:
+                    continue
+                e2 = entry_of.get(o2)
+                if e2 is None or not check(e2):
+                    continue
+                remaining[o2] -= 1
+                rem_lost[o2] -= lost[i]
+                if remaining[o2] == 0:
+                    done[o2] = True
+                    freed.append(o2)
+                else:
+                    heapq.heappush(heap, (remaining[o2], rem_lost[o2], -pot(s2.leaf_ix), o2))
+        if not done.get(o):  # all its blockers are chosen now
+            done[o] = True
+            freed.append(o)
+    return (freed, cand) if len(freed) >= nodes else None
 
 
 def _scanned_candidates(

@@ -86,6 +86,12 @@ class QuotaBook:
                 uu[ukey] = uu.get(ukey, 0) + gpus
         self.min_headroom = self._least_headroom()
 
+    @property
+    def memo(self) -> dict[tuple, str | None]:
+        """``blocked``'s answers since the last charge, by (group, user, id(priority), GPUs):
+        a caller in a hot loop may read an answer here before calling (emptied in place)."""
+        return self._memo
+
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
         if not self.enabled or job.nodes * job.gpus_per_node <= self.min_headroom:

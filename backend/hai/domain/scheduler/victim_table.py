@@ -10,11 +10,19 @@ node) pair by size and lost work (``singles``) and each zone's nodes that could 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from itertools import chain, compress
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from hai.domain.scheduler.model import Policy, RunningJob
 from hai.domain.scheduler.placement import FreeIndex
+
+_ID = attrgetter("id")
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
 
 # The two records below are built by the thousand each cycle and scanned in the planners' inner
 # loops, so they are plain tuples with a fixed layout (a NamedTuple costs ~4% of a Fire-Flyer
@@ -33,9 +41,71 @@ GPU-seconds together, the highest effective rank among them, the highest rank am
 past the quantum (-1: none)."""
 
 
+class SortedPairs:
+    """(Possible victim, node) pairs in their order (least lost first), sorted only as far as
+    they are read: iterating yields them in order, popping a heap on demand (a plan reads the
+    first few of ~20,000 pairs; sorting them all was most of ``singles``' cost). ``unordered``:
+    all of them in no particular order."""
+
+    __slots__ = ("done", "heap")
+
+    def __init__(self, pairs: list[VictimOnNode]):
+        heapq.heapify(pairs)
+        self.heap = pairs
+        self.done: list[VictimOnNode] = []  # the least ones, in order
+
+    def __iter__(self) -> Iterator[VictimOnNode]:
+        if not self.heap:
+            return iter(self.done)
+        return self._reading()
+
+    def _reading(self) -> Iterator[VictimOnNode]:
+        done, heap = self.done, self.heap
+        k = 0
+        while True:
+            if k == len(done):
+                if not heap:
+                    return
+                if k >= 64:  # read deep (plans whose first pairs do not fit): sort the rest at once
+                    heap.sort()
+                    done.extend(heap)
+                    heap.clear()
+                    yield from done[k:]
+                    return
+                done.append(heapq.heappop(heap))
+            yield done[k]
+            k += 1
+
+    def __len__(self) -> int:
+        return len(self.done) + len(self.heap)
+
+    def unordered(self) -> Iterator[VictimOnNode]:
+        return chain(self.done, self.heap)
+
+
 class ZoneClasses(NamedTuple):
     idle: list[int]  # nodes holding no indexed job
     freeable: list[FreeableNode]
+    # (``order``, filled on first use in the cycle) the freeable nodes that a waiting job of
+    # (rank, time-sharing) may free by rank, cheapest first: [(victims, lost, node)] sorted
+    orders: dict[tuple[int, bool], list[tuple[int, float, int]]]
+    by_leaf: dict[int, list[FreeableNode]]  # leaf index -> its freeable nodes
+    entry_of: dict[int, FreeableNode]  # node -> its entry in ``freeable``
+
+    def order(self, rank: int, time_sharing: bool) -> list[tuple[int, float, int]]:
+        """The freeable nodes whose jobs a waiting job of ``rank`` may suspend by rank (every top
+        rank below ``rank``; with time-sharing also equal, when every job at ``rank`` there is
+        past the quantum), as (victims, lost GPU-seconds, node) in that order: the order in
+        which ``preemption._free_greedily`` frees nodes, before the leaf's potential."""
+        key = (rank, time_sharing)
+        got = self.orders.get(key)
+        if got is None:
+            got = self.orders[key] = sorted(
+                (len(b), lost, o)
+                for o, b, lost, top, top_young in self.freeable
+                if top < rank or (time_sharing and top == rank and top_young < rank)
+            )
+        return got
 
 
 class RunningTable:
@@ -72,16 +142,22 @@ class RunningTable:
         self.holders = holders
         self.nodes_of: list[list[int]] = [[] for _ in jobs]
         self.pending_for: dict[int, list[int]] = {}
-        self._singles: dict[int, list[VictimOnNode]] | None = None
+        self._singles: dict[int, SortedPairs] | None = None
         self._zones: list[ZoneClasses] | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
         held = [0] * len(holders)  # GPUs held on each node by the indexed jobs
+        # every (job, node) pair of ``holders`` as parallel lists (for ``singles``); None when a
+        # job holds two allocations on one node (merged in ``holders``: rare, built from there)
+        pj: list[int] | None = []
+        pg: list[int] = []
+        po: list[int] = []
+        nodes_of, gpus, runtime, lost, pending_for = self.nodes_of, self.gpus, self.runtime, self.lost, self.pending_for
         for i in members:
             j = jobs[i]
             g = 0
-            mine = self.nodes_of[i]
+            mine = nodes_of[i]
             for a in j.allocations:
                 k = len(a.gpus)
                 g += k
@@ -95,38 +171,60 @@ class RunningTable:
                     for x, (hi, hk) in enumerate(hs):
                         if hi == i:
                             hs[x] = (i, hk + k)
+                    pj = None
                     continue
                 holders[o].append((i, k))
                 mine.append(o)
-            self.gpus[i] = g
-            self.runtime[i] = now - j.started_at
+                if pj is not None:
+                    pj.append(i)
+                    pg.append(k)
+                    po.append(o)
+            gpus[i] = g
+            runtime[i] = now - j.started_at
             since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
-            self.lost[i] = g * max(0.0, now - since)
+            lost[i] = g * max(0.0, now - since)
             if j.suspend_requested_for is not None:
-                self.pending_for.setdefault(j.suspend_requested_for, []).append(i)
+                pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
+        self._pairs = None if pj is None else (pj, pg, po)
 
-    def singles(self) -> dict[int, list[VictimOnNode]]:
+    def singles(self) -> dict[int, SortedPairs]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
-        first; largest buckets first. Built once per cycle; a waiting job scans it with its own
-        eligibility test, so a single-victim plan is found in the first entries instead of a
-        scan of every node."""
+        first (``SortedPairs``: sorted as far as it is read); largest buckets first. Built once
+        per cycle; a waiting job scans it with its own eligibility test, so a single-victim plan
+        is found in the first entries instead of a scan of every node."""
         got = self._singles
         if got is None:
-            flat = []
             jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
-            # node by node (each (job, node) pair once; the sort fixes the order: no two pairs
-            # are equal, they differ by node or job)
-            for o, hs in enumerate(self.holders):
-                for i, g in hs:
-                    if min_ok[i]:
-                        flat.append((lost[i], g, o, jobs[i].id, i))
-            flat.sort()
-            got = {}
-            for e in flat:
-                got.setdefault(e[1], []).append(e)  # by the victim's GPUs on the node
-            got = {g: got[g] for g in sorted(got, reverse=True)}
+            # each (job, node) pair once (no two pairs are equal: they differ by node or job)
+            if self._pairs is not None:
+                pj, pg, po = self._pairs
+                flat = list(
+                    compress(
+                        zip(map(lost.__getitem__, pj), pg, po, map(_ID, map(jobs.__getitem__, pj)), pj),
+                        map(min_ok.__getitem__, pj),
+                    )
+                )
+            else:
+                flat = []
+                for o, hs in enumerate(self.holders):
+                    for i, g in hs:
+                        if min_ok[i]:
+                            flat.append((lost[i], g, o, jobs[i].id, i))
+            # by the victim's GPUs on the node, largest first
+            sizes = sorted(set(map(_SECOND, flat)), reverse=True)
+            if len(sizes) == 1:
+                got = {sizes[0]: SortedPairs(flat)}
+            else:
+                flat.sort(key=_SECOND)  # stable: each size's pairs in one run
+                got = {}
+                start = 0
+                for g in sorted(sizes):
+                    end = bisect_right(flat, g, lo=start, key=_SECOND)
+                    got[g] = SortedPairs(flat[start:end])
+                    start = end
+                got = {g: got[g] for g in sizes}
             self._singles = got
         return got
 
@@ -157,13 +255,18 @@ class RunningTable:
                     if pending[i] or not min_ok[i]:
                         break
                     r = ranks[i]
-                    top = max(top, r)
+                    if r > top:
+                        top = r
                     if not q_ok[i] and r > top_young:
                         top_young = r
                 else:
-                    blockers = tuple(i for i, _g in hs)
-                    freeable.append((o, blockers, sum(lost[i] for i in blockers), top, top_young))
-            got.append(ZoneClasses(idle, freeable))
+                    blockers = tuple(map(_FIRST, hs))
+                    freeable.append((o, blockers, sum(map(lost.__getitem__, blockers)), top, top_young))
+            by_leaf: dict[int, list[FreeableNode]] = {}
+            slots = index.slots
+            for e in freeable:
+                by_leaf.setdefault(slots[e[0]].leaf_ix, []).append(e)
+            got.append(ZoneClasses(idle, freeable, {}, by_leaf, {e[0]: e for e in freeable}))
             start += size
         self._zones = got
         return got
