@@ -43,6 +43,18 @@ def _reply_cache(request: Request, platform) -> agent_service.ReplyCache | None:
     return cache
 
 
+def _answer_steady(cache: agent_service.ReplyCache | None, notifier, hb: Heartbeat):  # noqa: ANN001, ANN202
+    """(the cache entry that answered ``hb``, or None; the node topic's version and the notifier's
+    epoch read before the lookup, which a full pass stores its reply under). An entry that
+    answered has noted the heartbeat's liveness and buffered its GPU figures (``ReplyCache.answer``)."""
+    since = notifier.version(notify.node_topic(hb.node))
+    epoch = notifier.epoch
+    steady = cache.lookup(hb, version=since, epoch=epoch) if cache is not None else None
+    if steady is not None and not cache.answer(hb, steady):
+        steady = None
+    return steady, since, epoch
+
+
 @router.post("/heartbeat", response_model=ServerReply)
 async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _agent: AgentPrincipal) -> ServerReply:
     """Apply the agent's report and answer with the node's assignments. With ``wait_s`` the
@@ -52,11 +64,9 @@ async def heartbeat(hb: Heartbeat, request: Request, platform: PlatformDep, _age
     agent_service.check_version(hb.protocol_version)
     topic = notify.node_topic(hb.node)
     notifier = platform.notifier
-    since = notifier.version(topic)
-    epoch = notifier.epoch
     cache = _reply_cache(request, platform)
-    steady = cache.lookup(hb, version=since, epoch=epoch) if cache is not None else None
-    if steady is not None and cache.answer(hb, steady):
+    steady, since, epoch = _answer_steady(cache, notifier, hb)
+    if steady is not None:
         if hb.wait_s <= 0:
             return Response(steady.body, media_type="application/json")
         reply = steady.reply
@@ -168,9 +178,8 @@ class SteadyHeartbeats:
             return await self.app(scope, replay, send)
         if hb.wait_s > 0:
             return await self.app(scope, replay, send)
-        notifier = platform.notifier
-        steady = cache.lookup(hb, version=notifier.version(notify.node_topic(hb.node)), epoch=notifier.epoch)
-        if steady is None or not cache.answer(hb, steady):
+        steady, _, _ = _answer_steady(cache, platform.notifier, hb)
+        if steady is None:
             return await self.app(scope, replay, send)
         self.answered += 1
         await send({"type": "http.response.start", "status": 200,
