@@ -42,6 +42,49 @@ def _cycles(pol: Policy, seed: int, cycles: int = 4) -> None:
         now += 600.0
 
 
+def _classified_candidates(
+    zone,
+    index,
+    table,
+    gpus_per_node: int,
+    usable,
+    same_user,
+    rank: int,
+    time_sharing: bool,
+) -> pre._Candidates:
+    """The reference: every freeable node of the zone classified (what plan_multi did before
+    ``_free_lazily``): from the per-cycle classification, only live facts checked here (GPUs
+    taken by starts in this cycle, victims already chosen, reservations, the user rule)."""
+    free_now: list[int] = []
+    need_of: dict[int, tuple[int, ...] | list[int]] = {}
+    lost_of: dict[int, float] = {}
+    potential: dict[int, int] = {}
+    slots = index.slots
+    for o in zone.idle:
+        slot = slots[o]
+        if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
+            free_now.append(o)
+            li = slot.leaf_ix
+            potential[li] = potential.get(li, 0) + 1
+    held, chosen = table.held, table.chosen
+    for o, blockers, lost_sum, top, top_young in zone.freeable:
+        if top >= rank and not (time_sharing and top == rank and top_young < rank):
+            continue
+        slot = slots[o]
+        if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
+            continue
+        for i in blockers:
+            if chosen[i] or (same_user is not None and same_user(i)):
+                break
+        else:
+            if usable(slot):
+                need_of[o] = blockers
+                lost_of[o] = lost_sum
+                li = slot.leaf_ix
+                potential[li] = potential.get(li, 0) + 1
+    return pre._Candidates(free_now, need_of, lost_of, {}, potential)
+
+
 def _checking(monkeypatch) -> dict[str, int]:
     """Every lazy multi-node zone plan is compared with the full classification and heap."""
     seen = {"plans": 0, "freed": 0, "differ": 0}
@@ -49,7 +92,7 @@ def _checking(monkeypatch) -> dict[str, int]:
 
     def checked(zone, z, index, table, nodes, gpn, usable, same_user, rank, ts):
         got = lazy(zone, z, index, table, nodes, gpn, usable, same_user, rank, ts)
-        cand = pre._classified_candidates(zone, index, table, gpn, usable, same_user, rank, ts)
+        cand = _classified_candidates(zone, index, table, gpn, usable, same_user, rank, ts)
         want = None
         if len(cand.free_now) + len(cand.need_of) >= nodes:
             want = pre._free_greedily(cand, index, table, nodes)

@@ -19,10 +19,11 @@ Strategies, one function each:
 * one node (``plan_single``): ``_one_victim`` (a single victim suffices: the pair losing least,
   from the per-cycle list of (victim, node) pairs), else ``_fewest_victims_on_a_node`` (every
   candidate node, the fewest victims there, then least lost);
-* whole nodes in one zone (``plan_multi``), per zone: the candidate nodes from the per-cycle
-  zone classification (``_classified_candidates``) or, when jobs are already suspending for J,
-  from a scan of the zone (``_scanned_candidates``); then ``_free_greedily`` (nodes needing the
-  fewest victims first) and ``_place_on_freed`` (fewest leaves, then the nodes cheapest to free).
+* whole nodes in one zone (``plan_multi``), per zone: the nodes to free taken cheapest first
+  from the zone's per-cycle order (``_free_lazily``) or, when jobs are already suspending for J,
+  from a scan of the zone (``_scanned_candidates``) heaped by ``_free_greedily`` (nodes needing
+  the fewest victims first); then ``_place_on_freed`` (fewest leaves, then the nodes cheapest to
+  free).
 """
 
 from __future__ import annotations
@@ -282,48 +283,6 @@ def plan_multi(
     return best_plan
 
 
-def _classified_candidates(
-    zone: ZoneClasses,
-    index: FreeIndex,
-    table: RunningTable,
-    gpus_per_node: int,
-    usable: Callable[[NodeSlot], bool],
-    same_user: Callable[[int], bool] | None,
-    rank: int,
-    time_sharing: bool,
-) -> _Candidates:
-    """From the per-cycle classification: only live facts are checked here (GPUs taken by
-    starts in this cycle, victims already chosen, reservations, the user rule)."""
-    free_now: list[int] = []
-    need_of: dict[int, tuple[int, ...] | list[int]] = {}
-    lost_of: dict[int, float] = {}
-    potential: dict[int, int] = {}
-    slots = index.slots
-    for o in zone.idle:
-        slot = slots[o]
-        if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
-            free_now.append(o)
-            li = slot.leaf_ix
-            potential[li] = potential.get(li, 0) + 1
-    held, chosen = table.held, table.chosen
-    for o, blockers, lost_sum, top, top_young in zone.freeable:
-        if top >= rank and not (time_sharing and top == rank and top_young < rank):
-            continue
-        slot = slots[o]
-        if slot.gpus < gpus_per_node or held[o] + len(slot.free) != slot.gpus:
-            continue
-        for i in blockers:
-            if chosen[i] or (same_user is not None and same_user(i)):
-                break
-        else:
-            if usable(slot):
-                need_of[o] = blockers
-                lost_of[o] = lost_sum
-                li = slot.leaf_ix
-                potential[li] = potential.get(li, 0) + 1
-    return _Candidates(free_now, need_of, lost_of, {}, potential)
-
-
 def _free_lazily(
     zone: ZoneClasses,
     z: int,
@@ -336,7 +295,8 @@ def _free_lazily(
     rank: int,
     time_sharing: bool,
 ) -> tuple[list[int], _Candidates] | None:
-    """``_classified_candidates`` and ``_free_greedily`` together, the same nodes freed in the
+    """Classifying every freeable node of the zone and ``_free_greedily`` together (the reference
+    in tests/unit/test_scheduler_plan_tables.py), the same nodes freed in the
     same order, without looking at every freeable node of the zone: the zone's nodes come
     cheapest first from the per-cycle order (``ZoneClasses.order``: victims, lost; the greedy
     heap's key before the leaf's potential) and enter the heap only when their (victims, lost)
