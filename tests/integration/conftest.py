@@ -27,18 +27,28 @@ def redis_url() -> str:
     return url
 
 
-@pytest.fixture
-def pg_url(server_db_url: str):
-    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+def _fresh_database(server_db_url: str):  # noqa: ANN202
+    """Yield the URL of a new, empty database on the server of ``server_db_url``; drop it after."""
     name = f"hai_it_{uuid.uuid4().hex[:12]}"
     admin = create_engine(server_db_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(server_db_url).set(database=name).render_as_string(hide_password=False)
-    yield url
+    yield make_url(server_db_url).set(database=name).render_as_string(hide_password=False)
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def pg_url(server_db_url: str):
+    """A fresh, empty PostgreSQL database for one test; dropped afterwards."""
+    yield from _fresh_database(server_db_url)
+
+
+@pytest.fixture
+def second_pg_url(server_db_url: str):
+    """Another fresh database beside ``pg_url`` (two platforms compared side by side)."""
+    yield from _fresh_database(server_db_url)
 
 
 @pytest.fixture

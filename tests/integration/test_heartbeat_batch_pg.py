@@ -6,32 +6,17 @@ each other instead of deadlocking: the job is judged once, every GPU released.""
 from __future__ import annotations
 
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from hai.db.migrate import upgrade
 from hai.protocol import Heartbeat
 from hai.services import agents
 from tests.api.test_heartbeat_batch import check_batched_equals_one_by_one, cluster, exited, make_platform, state
-from tests.integration.conftest import pg_url, server_db_url  # noqa: F401  (fixtures)
+from tests.integration.conftest import pg_url, second_pg_url, server_db_url  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def second_pg_url(server_db_url: str):  # noqa: F811
-    name = f"hai_it_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(server_db_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(server_db_url).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def test_a_batch_does_what_the_heartbeats_do_one_by_one_on_postgresql(pg_url, second_pg_url, tmp_path: Path):  # noqa: F811

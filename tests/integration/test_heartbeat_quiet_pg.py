@@ -9,12 +9,10 @@ report, a changed report, an unreported stop released, a draining node."""
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import func, select
 
 from hai.db.migrate import upgrade
 from hai.db.models import GpuHold, Job, JobAllocation, Node, ValidationRun
@@ -24,23 +22,11 @@ from hai.services import jobs as job_service
 from hai.services.context import Platform
 from hai.settings import Settings
 from tests.api.test_heartbeat_batch import NODES, cluster
-from tests.integration.conftest import pg_url, server_db_url  # noqa: F401  (fixtures)
+from tests.integration.conftest import pg_url, second_pg_url, server_db_url  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
 
 EVERY = 3  # quick rounds every 3 heartbeats: several fall due within the drive
-
-
-@pytest.fixture
-def second_pg_url(server_db_url: str):  # noqa: F811
-    name = f"hai_it_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(server_db_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(server_db_url).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def platform(tmp: Path, url: str) -> Platform:
