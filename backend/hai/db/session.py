@@ -11,6 +11,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
 
+log = logging.getLogger(__name__)
+
 
 def make_engine(url: str, *, echo: bool = False) -> Engine:
     if url.startswith("sqlite"):
@@ -100,8 +102,6 @@ _GATES: weakref.WeakKeyDictionary[Engine, WriteGate] = weakref.WeakKeyDictionary
 def write_gate(engine: Engine) -> WriteGate | None:
     """The WriteGate of a SQLite engine made by ``make_engine`` (None for other engines)."""
     return _GATES.get(engine)
-
-log = logging.getLogger(__name__)
 
 
 class WriteGate:

@@ -322,9 +322,7 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
         inventory = session.execute(stmt.returning(n.c.gpu_inventory)).scalar_one()
         expected = [GpuInfo.model_validate(g) for g in inventory or []]
         validations = [ValidationRequest(run_id=i, level=level, expected_gpus=expected) for i, level in runs]
-    reply = ServerReply(node=hb.node, assignments=assignments, assignments_digest=reply_digest,
-                        heartbeat_interval_s=settings.agent.heartbeat_interval_s,
-                        lost_after_s=settings.agent.lost_after_s, validations=validations)
+    reply = _server_reply(hb.node, assignments, settings, validations, reply_digest)
     if seen is not None:
         seen["state"] = state
         seen["heartbeats_since_quick"] = quick
@@ -343,13 +341,19 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
 
 def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings,
            pending: list | None = None) -> ServerReply:
+    return _server_reply(node.name, assignments, settings,
+                         node_health.pending_requests(session, node, runs=pending))  # issue 10
+
+
+def _server_reply(node: str, assignments: list[Assignment], settings: Settings,
+                  validations: list[ValidationRequest], assignments_digest: str | None = None) -> ServerReply:
     return ServerReply(
-        node=node.name,
+        node=node,
         assignments=assignments,
-        assignments_digest=digest(assignments),
+        assignments_digest=digest(assignments) if assignments_digest is None else assignments_digest,
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
         lost_after_s=settings.agent.lost_after_s,  # issue 13: the agent fences itself before this
-        validations=node_health.pending_requests(session, node, runs=pending),  # issue 10
+        validations=validations,
     )
 
 
@@ -380,6 +384,23 @@ class _Beat:
     state: str
     gpus: list  # GpuMetrics
     quick: int  # heartbeats to add to the node's quick-round count
+
+
+def _refusal(c: _Steady | None, hb: Heartbeat, *, version: int, epoch: int) -> str | None:
+    """Why the entry ``c`` cannot answer ``hb`` (``ReplyCache.miss``'s reasons), or None if it can."""
+    if c is None:
+        return "none"
+    if c.version != version:
+        return "notified"
+    if c.epoch != epoch:
+        return "epoch"
+    if c.until <= time.monotonic():
+        return "expired"
+    if c.quick_left is not None and c.quick_left <= 0:
+        return "quick_due"
+    if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
+        return "report"
+    return None
 
 
 class ReplyCache:
@@ -434,13 +455,7 @@ class ReplyCache:
     def lookup(self, hb: Heartbeat, *, version: int, epoch: int) -> _Steady | None:
         with self._lock:
             c = self._entries.get(hb.node)
-        if c is None or c.version != version or c.epoch != epoch or c.until <= time.monotonic():
-            return None
-        if c.quick_left is not None and c.quick_left <= 0:
-            return None
-        if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
-            return None
-        return c
+        return c if _refusal(c, hb, version=version, epoch=epoch) is None else None
 
     def miss(self, hb: Heartbeat, *, version: int, epoch: int) -> str:
         """Why ``lookup`` found no answer for this heartbeat (counted in ``full_passes``; the route
@@ -450,20 +465,7 @@ class ReplyCache:
         digest or another report), ``answered`` (``answer`` refused it: the round fell due)."""
         with self._lock:
             c = self._entries.get(hb.node)
-        if c is None:
-            why = "none"
-        elif c.version != version:
-            why = "notified"
-        elif c.epoch != epoch:
-            why = "epoch"
-        elif c.until <= time.monotonic():
-            why = "expired"
-        elif c.quick_left is not None and c.quick_left <= 0:
-            why = "quick_due"
-        elif hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
-            why = "report"
-        else:
-            why = "answered"
+        why = _refusal(c, hb, version=version, epoch=epoch) or "answered"
         with self._lock:
             self.full_passes[why] = self.full_passes.get(why, 0) + 1
         return why
