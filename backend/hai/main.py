@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,7 +14,7 @@ from hai.api import agent, errors, guards, health, jobs, metrics, nodes, telemet
 from hai.api.spa import SpaStaticFiles
 from hai.schemas.common import error_responses
 from hai.services.context import Platform
-from hai.settings import Settings, get_settings
+from hai.settings import HttpSettings, Settings, get_settings
 
 API_VERSION = "1"
 log = logging.getLogger(__name__)
@@ -45,7 +46,43 @@ def find_dashboard(configured: Path | None) -> Path | None:
     return None
 
 
-def create_app(platform: Platform | None = None, settings: Settings | None = None) -> FastAPI:
+def tune_collector(http: HttpSettings) -> None:
+    """A serving process's garbage collector (issue 12): what exists once the app has started
+    (modules, the ORM's mappers, compiled caches) is frozen out of every later collection, and
+    the first generation collects after ``http.gc_threshold`` allocations instead of 700. With
+    Python's defaults a worker serving 1,250 agents a second promoted each heartbeat's short-lived
+    objects into the older generations and paused for full collections of 150-250 ms every few
+    seconds, the fan-in's p99 (benchmarks/README.md, issue 12). Called by the CLI's servers only:
+    a test process that builds many apps keeps Python's defaults."""
+    if http.gc_threshold <= 0:
+        return
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(http.gc_threshold, gen1, gen2)
+
+
+class _App(FastAPI):
+    """FastAPI whose two outermost layers are the body limit and the steady-heartbeat answer
+    (issue 12): a steady heartbeat, nearly every request at 1,250 agents, is answered before
+    FastAPI's and Starlette's own middleware (error pages, exception telemetry, their body limit),
+    whose layers were a third of a cached answer's CPU (py-spy ``--gil`` during agent_fanin.py).
+    Everything else goes through the whole stack as before."""
+
+    max_body_bytes: int = 0
+
+    def build_middleware_stack(self):  # noqa: ANN201
+        stack = super().build_middleware_stack()
+        return guards.BodyLimit(agent.SteadyHeartbeats(stack, owner=self), max_bytes=self.max_body_bytes)
+
+
+def server_app() -> FastAPI:
+    """``hai server --workers N``'s factory: each worker's app, with its collector tuned."""
+    return create_app(tune_gc=True)
+
+
+def create_app(platform: Platform | None = None, settings: Settings | None = None, *,
+               tune_gc: bool = False) -> FastAPI:
     owned = platform is None
 
     @asynccontextmanager
@@ -56,13 +93,15 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         # issue 12: 2xx heartbeats left out of the access log (before the redaction filter)
         agent.quiet_heartbeat_access_log(not app.state.platform.settings.agent.access_log_heartbeats)
         guards.install_redaction()
+        if tune_gc:
+            tune_collector(app.state.platform.settings.http)
         yield
         if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness
             app.state.reply_cache.close()
         if owned and app.state.platform is not None:
             app.state.platform.close()
 
-    app = FastAPI(
+    app = _App(
         title="HAI platform",
         version="0.1.0",
         summary="GPU-cluster job scheduling: time-sharing, checkpoint-boundary preemption, fat-tree placement",
@@ -71,9 +110,8 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     app.state.platform = platform
     limits = (platform.settings if platform else (settings or get_settings())).limits
     app.state.auth_failures = guards.AuthFailures(limits)
-    # innermost: a steady agent heartbeat is answered before routing (issue 12), inside the guards
-    app.add_middleware(agent.SteadyHeartbeats)
-    app.add_middleware(guards.BodyLimit, max_bytes=limits.max_body_bytes)
+    # outermost: the body limit, then a steady agent heartbeat answered before everything else (_App)
+    app.max_body_bytes = limits.max_body_bytes
     app.add_middleware(guards.AllowHeader, routes_of=lambda: app.routes)
     errors.install(app)
     # issue 13: every refusal a route can send is declared in the OpenAPI schema

@@ -174,6 +174,11 @@ class HttpSettings(BaseModel):
         "a log line per request (uvicorn's access log, through the token redaction filter); off, the "
         "server logs only its own events and errors (about 6% of a submission's server CPU, issue 12: "
         "benchmarks/README.md), for deployments that log requests at their proxy or load balancer"))
+    gc_threshold: int = Field(default=50_000, ge=0, description=(
+        "the cyclic garbage collector's first threshold in `hai server` and `hai dev` processes, whose "
+        "objects at startup are also frozen out of later collections (gc.freeze); 0 keeps Python's "
+        "defaults (700, no freeze). Issue 12: with the defaults, a worker serving 1,250 agents paused "
+        "for full collections of 150-250 ms every few seconds (benchmarks/README.md)"))
 
 
 class LimitsSettings(BaseModel):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -131,17 +130,21 @@ class SteadyHeartbeats:
     ``Heartbeat`` of a supported version, no long poll, and an entry that ``ReplyCache.lookup``
     and ``answer`` accept. Anything else (no or unknown credential, another body, a miss) goes on
     to the application unchanged, with the body as read, so errors, 401/403/422/426 and full
-    passes stay the route's. Installed inside ``BodyLimit``: the body is within the limit here."""
+    passes stay the route's. Installed just inside ``BodyLimit`` and outside FastAPI's and
+    Starlette's own middleware (``hai.main._App``): the body is within the limit here, and
+    ``owner`` is the application whose state (platform, caches) it reads."""
 
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app, *, owner) -> None:  # noqa: ANN001
         self.app = app
+        self.owner = owner
         self.answered = 0
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http" or scope["path"] != HEARTBEAT_PATH or scope["method"] != "POST":
             return await self.app(scope, receive, send)
+        scope["app"] = self.owner  # as Starlette sets it, for the Request below and the app inside
         request = Request(scope)
-        platform = request.app.state.platform
+        platform = self.owner.state.platform
         authorization = content_type = None
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -172,7 +175,7 @@ class SteadyHeartbeats:
         if messages[-1]["type"] != "http.request":  # the client went away
             return await self.app(scope, replay, send)
         try:
-            hb = Heartbeat.model_validate(json.loads(b"".join(m.get("body", b"") for m in messages)))
+            hb = Heartbeat.model_validate_json(b"".join(m.get("body", b"") for m in messages))
             agent_service.check_version(hb.protocol_version)
         except Exception:  # noqa: BLE001 - the route refuses it with its own error
             return await self.app(scope, replay, send)

@@ -132,7 +132,7 @@ def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", 
     stack = DevStack(data_dir=data_dir, port=port, host=host, agents=agents, gpus_per_agent=gpus_per_agent)
     stack.prepare()
     assert stack.platform is not None
-    app = create_app(stack.platform)
+    app = create_app(stack.platform, tune_gc=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")
     server = uvicorn.Server(config)
     started = threading.Event()

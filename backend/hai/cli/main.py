@@ -70,7 +70,7 @@ def server(
     platform = Platform.from_settings(settings)
     _bootstrap(platform, topology)
     if workers == 1:
-        uvicorn.run(create_app(platform), host=host, port=port, log_level="info",
+        uvicorn.run(create_app(platform, tune_gc=True), host=host, port=port, log_level="info",
                     access_log=settings.http.access_log)
         platform.close()
         return
@@ -85,7 +85,7 @@ def server(
     # each worker process builds its own app and platform from the environment
     # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5;
     # keep-alive 75 s: agents reuse their connection every heartbeat (uvicorn closes idle ones after 5 s)
-    uvicorn.run("hai.main:create_app", factory=True, workers=workers, host=host, port=port, log_level="info",
+    uvicorn.run("hai.main:server_app", factory=True, workers=workers, host=host, port=port, log_level="info",
                 access_log=settings.http.access_log, timeout_worker_healthcheck=60, timeout_keep_alive=75)
 
 
