@@ -69,3 +69,73 @@ def test_every_rank_suspends_at_the_same_step_and_ready_waits_for_all(tmp_path):
     assert all(ev["type"] == "suspend_ready" for ev in ready.values())
     # rank 1 said ready only after rank 0 had finished writing
     assert ready[1]["at"] >= results[0]["written"]
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, os, pathlib, time
+    marker = pathlib.Path(os.environ["HAI_TEST_MARKER"])
+    last_check = []
+
+    def after_the_exit_handlers():
+        # registered first, so it runs last: the interpreter's teardown comes next
+        if last_check:
+            work = last_check[0]
+            state = "in flight"
+            if work.is_completed():
+                try:
+                    work.wait()
+                    state = "completed"
+                except Exception as e:
+                    state = f"failed: {e}"
+            marker.write_text(state)
+
+    atexit.register(after_the_exit_handlers)
+    import torch.distributed as dist
+    from hai import sdk
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    os.environ["HAI_SUSPEND_CHECK_EVERY"] = "1"
+    for _ in range(3):
+        assert not sdk.should_suspend()
+    dist.barrier()
+    if rank == 1:
+        sdk.should_suspend()  # the last check: its all-reduce is in flight when the loop ends
+        last_check.append(sdk.core._state.pending[0])
+    else:
+        # rank 0 issues its half once rank 1 is through its exit handlers. If the SDK makes rank 1
+        # wait for the check at exit, that does not come first: go ahead after a while.
+        deadline = time.monotonic() + 3.0
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        sdk.should_suspend()
+    dist.destroy_process_group()
+    print(f"rank {rank} done", flush=True)
+""")
+
+
+
+
+
+def test_a_check_in_flight_when_the_loop_ends_does_not_abort_the_exit(tmp_path):
+    """The last should_suspend() of a loop leaves its all-reduce in flight. When the peer's half
+    arrived while the interpreter was being torn down, the rank could abort (exit 134, "terminate
+    called without an active exception"; seen in the DDP example test). The SDK completes the
+    check at exit, before the teardown."""
+    port = _port()
+    script = tmp_path / "rank.py"
+    script.write_text(EXIT_SCRIPT)
+    marker = tmp_path / "rank1-last-check"
+    procs = []
+    for rank in (0, 1):
+        control = tmp_path / f"control{rank}"
+        control.mkdir()
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "HAI_CONTROL_DIR": str(control), "HAI_TEST_MARKER": str(marker)}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.strip().splitlines()[-1] for o, _ in outs] == ["rank 0 done", "rank 1 done"]
+    # the check had completed before rank 1's interpreter was torn down
+    assert marker.read_text() == "completed"
+    assert "terminate called" not in outs[1][1] and "did not complete" not in outs[1][1], outs[1][1]

@@ -15,6 +15,7 @@ Outside the platform (no HAI_CONTROL_DIR) every call is a harmless no-op.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import json
 import os
@@ -206,10 +207,43 @@ def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
         proposal = 1
     tensor = torch.tensor([1 if _local_flag() else 0, proposal], dtype=torch.int64)
     st.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
+    global _exit_hook
+    if not _exit_hook:  # registered after torch's own exit handlers, so it runs before them
+        atexit.register(_settle_at_exit)
+        _exit_hook = True
     # ``interval`` is the previous all-reduce's result: the same on every rank
     st.next_check = st.calls + max(1, fixed if fixed is not None else interval)
     st.last_check_mono, st.last_check_call = now, st.calls
     return False
+
+
+EXIT_WAIT_S = 10.0
+_exit_hook = False  # _settle_at_exit registered
+
+
+def _settle_at_exit() -> None:
+    """At interpreter exit: let the last flag all-reduce finish while Python is fully alive.
+
+    The last check point's collective is usually still in flight when a training loop ends (its
+    result is read at the next check, which never comes), and destroy_process_group() does not
+    wait for it. When the peer's half then arrives while this process is being torn down, the
+    rank can abort in gloo's worker thread ("terminate called without an active exception",
+    exit 134: seen in the DDP example test, reproduced by a peer that answers ~0.1 s late). So:
+    wait for it (every rank issued it, so the peers answer promptly; bounded in case one is
+    gone), and keep the work and its tensor referenced for the rest of the process, so that no
+    thread has to hand them back to Python during the teardown."""
+    st = _state
+    pending, st.pending = st.pending, None
+    if pending is None:
+        return
+    for obj in pending:  # an extra reference that finalisation does not take back
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    try:
+        import datetime
+
+        pending[0].wait(datetime.timedelta(seconds=EXIT_WAIT_S))
+    except Exception as e:  # a peer already gone, or it never made the matching call
+        print(f"[hai.sdk] the last suspend check did not complete at exit: {e}", file=sys.stderr)
 
 
 def _barrier_all() -> None:
