@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 from hai.agent.gpu import FakeGpus  # noqa: E402
 from hai.agent.node import NodeAgent  # noqa: E402
 from hai.agent.testing import assignment, wait_for  # noqa: E402
+from hai.protocol import DesiredAction  # noqa: E402
 
 PY = sys.executable
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "haiscale_ddp.py")
@@ -64,7 +65,7 @@ def test_suspend_and_resume_give_exactly_the_uninterrupted_result(tmp_path):
     node.apply([first])
     wait_for(lambda: (lambda p: p and p.step >= 10)(status(1).progress), timeout=120, step=node.tick,
              what="training progress")
-    node.apply([first.model_copy(update={"action": "suspend"})])
+    node.apply([first.model_copy(update={"action": DesiredAction.SUSPEND})])
     wait_for(lambda: status(1).finished, timeout=120, step=node.tick, what="suspension")
     st = status(1)
     assert st.suspend_ready and st.stop_cause in (None, "suspend"), st

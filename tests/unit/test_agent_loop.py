@@ -28,6 +28,7 @@ from hai.protocol import (
     AgentHello,
     Assignment,
     AttemptStatus,
+    DesiredAction,
     Heartbeat,
     LogAck,
     LogBatch,
@@ -276,7 +277,7 @@ def test_suspend_handshake_through_the_server(server, agents, tmp_path):
     server.assign("n1", a)
     wait_for(lambda: (lambda x: x and x.progress and x.progress.step > 0)(server.status(2, 1)), what="progress")
     t0 = time.time()
-    server.assign("n1", a.model_copy(update={"action": "suspend"}))
+    server.assign("n1", a.model_copy(update={"action": DesiredAction.SUSPEND}))
     st = wait_for(lambda: (lambda x: x if x and x.finished else None)(server.status(2, 1)), what="suspended")
     assert st.suspend_ready and st.stop_cause == "suspend" and st.suspend_requested_at >= t0 - 1
     assert st.checkpoint.path == "/ck/step.pt" and st.checkpoint.duration_s >= 0.05
@@ -290,7 +291,7 @@ def test_a_job_ignoring_the_suspend_request_is_stopped_after_its_grace(server, a
     a = assignment(3, [PY, s], attempt=1, suspend_grace_s=1.0, stop_grace_s=1.0)
     server.assign("n1", a)
     wait_for(lambda: (lambda x: x and x.ranks and x.ranks[0].pid)(server.status(3, 1)), what="start")
-    server.assign("n1", a.model_copy(update={"action": "suspend"}))
+    server.assign("n1", a.model_copy(update={"action": DesiredAction.SUSPEND}))
     st = wait_for(lambda: (lambda x: x if x and x.finished else None)(server.status(3, 1)), what="stopped")
     assert not st.suspend_ready and st.stop_cause == "suspend_timeout"
     assert "suspend_grace_s=1s" in st.stopped_reason
