@@ -113,9 +113,6 @@ EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-
-
-
 def test_a_check_in_flight_when_the_loop_ends_does_not_abort_the_exit(tmp_path):
     """The last should_suspend() of a loop leaves its all-reduce in flight. When the peer's half
     arrived while the interpreter was being torn down, the rank could abort (exit 134, "terminate

@@ -122,6 +122,8 @@ def _flag_group(dist):
         # its own group even when the default one is gloo: the flag never queues behind gradients
         _state.group = dist.new_group(backend="gloo")
         _state.group_for = default
+        # after torch's own exit handlers, so it runs before them (a second one finds nothing)
+        atexit.register(_settle_at_exit)
     return _state.group
 
 
@@ -207,10 +209,6 @@ def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
         proposal = 1
     tensor = torch.tensor([1 if _local_flag() else 0, proposal], dtype=torch.int64)
     st.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
-    global _exit_hook
-    if not _exit_hook:  # registered after torch's own exit handlers, so it runs before them
-        atexit.register(_settle_at_exit)
-        _exit_hook = True
     # ``interval`` is the previous all-reduce's result: the same on every rank
     st.next_check = st.calls + max(1, fixed if fixed is not None else interval)
     st.last_check_mono, st.last_check_call = now, st.calls
@@ -218,7 +216,6 @@ def should_suspend(*, every: int | None = None, sync: bool = True) -> bool:
 
 
 EXIT_WAIT_S = 10.0
-_exit_hook = False  # _settle_at_exit registered
 
 
 def _settle_at_exit() -> None:
