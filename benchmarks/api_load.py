@@ -20,10 +20,12 @@ scheduler keep up, issue 12's "within 1 s").
 Reads (``--reads``): 100,000 jobs in the table and 1,250 nodes on PostgreSQL (VACUUM ANALYZE after the
 bulk insert, as autovacuum leaves a settled table), ``hai server --workers <cores>`` alone; GET /api/v1/jobs (no filter, by state, by user, both; 50 a page, first page and a
 deep page by offset and by keyset; the exact count asked for) and GET /api/v1/nodes (and with every
-GPU's figures, ``include=gpu_metrics``), p50/p99 and the server's CPU per request.
+GPU's figures, ``include=gpu_metrics``), p50/p99 and the server's CPU per request; with
+``--churn RATE`` while the node list changes RATE times a second and every node's heartbeat
+figures are written every second (``Churn``).
 
     python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only pg sqlite slurm]
-                                  [--reads] [--profile DIR] [--out benchmarks/results/api_load.json]
+                                  [--reads] [--churn RATE] [--profile DIR] [--out benchmarks/results/api_load.json]
 
 PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped and re-created: use a database of your
 own); Redis: HAI_TEST_REDIS_URL.
@@ -538,7 +540,55 @@ def cpu_s(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> dict:
+class Churn:
+    """What a live cluster does to the node list while it is read (``--churn RATE``): every second
+    one statement writes every node's heartbeat figures (``last_heartbeat_at``, ``gpu_util_pct``,
+    ``gpus_busy``: what the API processes' liveness batches write), and RATE times a second one
+    transaction changes what the list shows (a node's state flipped between ready and draining:
+    a drain, a start or a release each raise the list's revision the same way). Its own thread
+    and connection; started and stopped around the reads."""
+
+    def __init__(self, url: str, rate: float) -> None:
+        self.url, self.rate = url, rate
+        self.stop = threading.Event()
+        self.changes = self.figure_writes = 0
+        self.thread = threading.Thread(target=self.run, name="churn", daemon=True)
+
+    def __enter__(self) -> "Churn":
+        if self.rate > 0:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+
+    def run(self) -> None:
+        rng = random.Random(11)
+        eng = create_engine(self.url)
+        try:
+            names = None
+            next_figures = time.monotonic()
+            while not self.stop.is_set():
+                with eng.begin() as c:
+                    if names is None:
+                        names = list(c.execute(text("SELECT name FROM nodes")).scalars())
+                    if time.monotonic() >= next_figures:
+                        c.execute(text("UPDATE nodes SET last_heartbeat_at = now(), gpu_util_pct = round((random() * 100)::numeric, 1),"
+                                       " gpus_busy = floor(random() * 9)::int"))
+                        self.figure_writes += 1
+                        next_figures += 1.0
+                with eng.begin() as c:
+                    c.execute(text("UPDATE nodes SET state = CASE WHEN state = 'ready' THEN 'draining' ELSE 'ready' END"
+                                   " WHERE name = :n"), {"n": rng.choice(names)})
+                    self.changes += 1
+                self.stop.wait(1.0 / self.rate)
+        finally:
+            eng.dispose()
+
+
+def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None, churn: float = 0.0) -> dict:
     url, redis_url = pg_urls()
     procs = Procs()
     out: dict = {"jobs_in_table": n_jobs, "nodes_in_table": n_nodes}
@@ -569,7 +619,9 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> 
             if profile is not None:
                 spies = profile_pids([server.pid] + children(server.pid), profile, procs, "reads")
             workers = [server.pid] + children(server.pid)
-            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+            out["churn_per_s"] = churn
+            with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c, \
+                    Churn(url, churn) as ch:
                 for name, path in READS:
                     n = max(10, repeat // 10) if name in FEW else repeat
                     c0 = cpu_s(workers)
@@ -579,6 +631,7 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None) -> 
                     print(f"  reads {name:22s} p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms "
                           f"server CPU {r['server_cpu_ms']:6.1f} ms/request ({r['bytes']} bytes)  load {r['load']}",
                           flush=True)
+            out["churn_done"] = {"list_changes": ch.changes, "figure_writes": ch.figure_writes}
             stop_profiles(spies)
         finally:
             procs.stop()
@@ -595,6 +648,9 @@ def main() -> None:
     ap.add_argument("--reads-only", action="store_true")
     ap.add_argument("--read-jobs", type=int, default=100_000)
     ap.add_argument("--repeat", type=int, default=200, help="requests per read")
+    ap.add_argument("--churn", type=float, default=0.0, help=(
+        "reads: changes of the node list per second while reading (and every node's heartbeat figures "
+        "written every second); 0: a still cluster"))
     ap.add_argument("--profile", type=Path, help="py-spy record the server workers and the scheduler into DIR")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "api_load.json")
     args = ap.parse_args()
@@ -621,7 +677,7 @@ def main() -> None:
             for k, v in ratios.items():
                 print(f"  ratio to slurmrestd (same in-flight) {k}: {v:.2f}x")
     if args.reads or args.reads_only:
-        results["reads"] = reads_case(args.read_jobs, 1250, args.repeat, args.profile)
+        results["reads"] = reads_case(args.read_jobs, 1250, args.repeat, args.profile, args.churn)
     results["load_after"] = loadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from api_load import HAI, READS, REPO, Procs, children, cpu_s, free_port, loadavg, summarise, wait_for  # noqa: E402
+from api_load import HAI, READS, REPO, Churn, Procs, children, cpu_s, free_port, loadavg, summarise, wait_for  # noqa: E402
 
 from sqlalchemy import create_engine, text  # noqa: E402
 
@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--only", nargs="+", help="read names (api_load.READS) to run; default all but the heavy ones")
+    ap.add_argument("--churn", type=float, default=0.0, help="node list changes a second while reading (api_load.Churn)")
+    ap.add_argument("--after-env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="settings of the 'after' server only (e.g. HAI_HTTP__NODE_LIST_MAX_AGE_S=0)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "reads_ab.json")
     args = ap.parse_args()
     url, redis_url = os.environ["HAI_TEST_DATABASE_URL"], os.environ.get("HAI_TEST_REDIS_URL", "")
@@ -69,11 +72,14 @@ def main() -> None:
         finally:
             platform.close()
         servers = {}
+        churn = Churn(url, args.churn)
         try:
             for side, backend in (("before", args.before), ("after", REPO / "backend")):
                 port = free_port()
                 env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work / side),
                            PYTHONPATH=str(backend), PGAPPNAME=f"hai-reads-ab-{side}")  # libpq's application_name
+                if side == "after":
+                    env.update(kv.split("=", 1) for kv in args.after_env)
                 p = procs.start(HAI + ["server", "--port", str(port), "--workers", "2"], env=env,
                                 log=work / f"{side}.log")
                 base = f"http://127.0.0.1:{port}"
@@ -81,6 +87,8 @@ def main() -> None:
                 servers[side] = (p, httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"},
                                                  timeout=120))
             pids = {side: [p.pid] + children(p.pid) for side, (p, _) in servers.items()}
+            results["churn_per_s"], results["after_env"] = args.churn, args.after_env
+            churn.__enter__()
             names = args.only or ["me"] + [n for n, _ in READS if n != "nodes_gpu_metrics"]
             for name, path in [("me", "/api/v1/me")] + READS:
                 if name not in names:
@@ -113,13 +121,16 @@ def main() -> None:
                     r["server_cpu_ms"] = round(cpu[side] * 1000 / len(lat[side]), 1)
                     r["db_cpu_ms"] = round(db_cpu[side] * 1000 / len(lat[side]), 1)
                     r["bytes"] = len(body[side])
-                out["same_json"] = json.loads(body["before"]) == json.loads(body["after"])
+                # (under churn the two were read at different moments of a changing cluster)
+                out["same_json"] = json.loads(body["before"]) == json.loads(body["after"]) if not args.churn else None
                 b, a = out["before"], out["after"]
                 print(f"  {name:22s} before p50 {b['p50_ms']:6.1f} p99 {b['p99_ms']:6.1f} cpu {b['server_cpu_ms']:5.1f}"
                       f" db {b['db_cpu_ms']:5.1f} | after p50 {a['p50_ms']:6.1f} p99 {a['p99_ms']:6.1f} cpu "
                       f"{a['server_cpu_ms']:5.1f} db {a['db_cpu_ms']:5.1f}"
                       f"  same JSON {out['same_json']}  load {loadavg()}", flush=True)
         finally:
+            churn.__exit__(None, None, None)
+            results["churn_done"] = {"list_changes": churn.changes, "figure_writes": churn.figure_writes}
             for _, c in servers.values():
                 c.close()
             procs.stop()

@@ -179,6 +179,13 @@ class HttpSettings(BaseModel):
         "objects at startup are also frozen out of later collections (gc.freeze); 0 keeps Python's "
         "defaults (700, no freeze). Issue 12: with the defaults, a worker serving 1,250 agents paused "
         "for full collections of 150-250 ms every few seconds (benchmarks/README.md)"))
+    node_list_max_age_s: float = Field(default=1.0, ge=0, description=(
+        "`GET /api/v1/nodes` (without per-GPU figures) is served from the document this API process "
+        "last built while nothing it shows but the heartbeats' figures has changed (a revision the "
+        "database raises on every change of a node's labels, state or allocations, whichever process "
+        "commits it) and the document is at most this old; so `last_heartbeat_at`, `gpu_util_pct` and "
+        "`gpus_busy` may be this much older than the last heartbeat, everything else is current. "
+        "0: every request builds the list (issue 12: at 1,250 nodes ~16 ms of PostgreSQL's CPU)"))
 
 
 class LimitsSettings(BaseModel):

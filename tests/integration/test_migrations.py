@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version",
           "node_events", "validation_runs", "validation_checks",
           "gpu_samples", "metric_rollups", "gpu_status", "idempotency_keys",
-          "gpu_holds", "scheduler_leases", "job_change_counter"}
+          "gpu_holds", "scheduler_leases", "job_change_counter", "node_list_revision"}
 
 
 def _diff(url: str) -> list:
@@ -159,4 +159,35 @@ def test_sqlite_job_rows_get_a_rising_change_marker_whoever_writes_them(tmp_path
     with engine.connect() as c:
         triggers = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))}
     engine.dispose()
-    assert triggers == {"jobs_change_seq_insert", "jobs_change_seq_update"}
+    assert triggers == {"jobs_change_seq_insert", "jobs_change_seq_update"} | NODE_LIST_SQLITE_TRIGGERS
+
+
+NODE_LIST_SQLITE_TRIGGERS = {f"{t}_list_{e}" for t in ("nodes", "job_allocations") for e in ("insert", "delete", "update")}
+
+
+def test_the_node_list_revision_and_its_triggers_come_and_go_with_0016(any_url):
+    """0016 (issue 12): the revision row and the triggers that raise it exist at head, on both
+    databases, and a downgrade to 0015 removes them (tests/integration/test_node_list_cache.py
+    checks what raises it)."""
+    from sqlalchemy import text
+
+    def present() -> tuple[set[str], list]:  # noqa: ANN202
+        engine = create_engine(any_url)
+        with engine.connect() as c:
+            if engine.dialect.name == "sqlite":
+                names = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))}
+            else:
+                names = {r[0] for r in c.execute(text("SELECT tgname FROM pg_trigger WHERE NOT tgisinternal"))}
+            rows = c.execute(text("SELECT id, rev FROM node_list_revision")).all() if "node_list_revision" in \
+                inspect(engine).get_table_names() else None
+        engine.dispose()
+        return {n for n in names if "_list_" in n}, rows
+
+    upgrade(any_url)
+    expected = NODE_LIST_SQLITE_TRIGGERS if any_url.startswith("sqlite") else {
+        f"{t}_list_{e}" for t in ("nodes", "job_allocations") for e in ("rows", "update")}
+    assert present() == (expected, [(1, 0)])
+    downgrade(any_url, "0015")
+    assert present() == (set(), None)
+    upgrade(any_url)
+    assert present() == (expected, [(1, 0)])

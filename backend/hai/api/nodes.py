@@ -71,6 +71,7 @@ class NodeInclude(str, enum.Enum):
 @router.get("", response_model=list[NodeRead])
 def list_nodes(
     session: SessionDep,
+    platform: PlatformDep,
     _user: CurrentUser,
     include: Annotated[
         list[NodeInclude] | None,
@@ -79,14 +80,17 @@ def list_nodes(
     ] = None,
 ) -> Response:
     """Every node with its state, free GPUs, running jobs and GPU utilisation (mean and busy count);
-    per-GPU figures only with `include=gpu_metrics` (issue 12: they were nearly all of this list's cost)."""
+    per-GPU figures only with `include=gpu_metrics` (issue 12: they were nearly all of this list's cost).
+    Labels, states, free GPUs and running jobs are current as of the request; each node's heartbeat
+    time and utilisation may be up to `HAI_HTTP__NODE_LIST_MAX_AGE_S` (1 s) older than its last
+    heartbeat (the list is kept per API process while nothing else in it changed)."""
     if NodeInclude.GPU_METRICS in (include or ()):  # the agents' JSON documents: validated into GpuRead
         rows = node_service.list_nodes(session=session, gpu_metrics=True)
         return Response(_NODE_LIST.dump_json(_NODE_LIST.validate_python(rows)), media_type="application/json")
     # NodeRead's fields unvalidated, in its field order: on PostgreSQL the database writes the
     # document, on SQLite pydantic-core serialises the typed columns (tests compare both forms
-    # with the model-validated list)
-    return Response(node_service.list_nodes_json(session=session), media_type="application/json")
+    # with the model-validated list); kept while its revision is current (HAI_HTTP__NODE_LIST_MAX_AGE_S)
+    return Response(platform.node_list.get(session=session), media_type="application/json")
 
 
 @router.get("/{name}", response_model=NodeDetail)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from hai.db.session import make_engine, make_session_factory, read_only
+from hai.services.nodes import NodeListCache
 from hai.services.notify import Notifier, make_notifier
 from hai.settings import Settings
 
@@ -21,8 +22,11 @@ class Platform:
     # for transactions that only read (GET requests, token look-ups): on SQLite they begin
     # deferred and do not queue for the write lock; the same sessions otherwise
     read_sessions: sessionmaker[Session] | None = None
+    # GET /api/v1/nodes as this process last built it, while its revision is current (issue 12)
+    node_list: NodeListCache = field(init=False)
 
     def __post_init__(self) -> None:
+        self.node_list = NodeListCache(self.settings.http.node_list_max_age_s)
         if self.read_sessions is None:
             self.read_sessions = (
                 make_session_factory(read_only(self.engine)) if self.engine.dialect.name == "sqlite" else self.sessions

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic_core import to_json
 from sqlalchemy import String, func, select, text
@@ -81,7 +84,7 @@ def list_nodes(*, session: Session, gpu_metrics: bool = False) -> list[dict[str,
 # coalesced here: a NULL would make its node's text NULL and string_agg would skip the node.
 # (``\:`` is a literal colon for SQLAlchemy's text().)
 _NODE_LIST_JSON_PG = text(r"""
-SELECT '[' || coalesce(string_agg(
+SELECT (SELECT rev FROM node_list_revision WHERE id = 1) AS rev, '[' || coalesce(string_agg(
     '{"name"\:' || to_json(n.name)::text
     || ',"zone"\:' || to_json(n.zone)::text
     || ',"leaf"\:' || to_json(n.leaf)::text
@@ -110,16 +113,92 @@ FROM nodes n LEFT JOIN (
 """)
 
 
-def list_nodes_json(*, session: Session) -> bytes:
-    """The light node list (``list_nodes(gpu_metrics=False)``) as the JSON document the API serves.
-    On PostgreSQL the database writes it in one statement: at 1,250 nodes the rows through
-    SQLAlchemy, psycopg, dicts and pydantic-core cost the server ~20-25 ms of CPU per request (the
-    database ~6-10), the statement costs the server ~1.5 ms (the database ~15-20; issue 12). On
-    SQLite the rows go through pydantic-core: SQLite writes a REAL in JSON with 15 significant
-    digits (``33.3333333333333`` for 33.333333333333336), not the same document."""
+_REVISION = text("SELECT rev FROM node_list_revision WHERE id = 1")
+
+
+def node_list_revision(*, session: Session) -> int | None:
+    """The node list's revision (``NodeListRevision``): raised by the database in every transaction
+    that changes what the list shows but the heartbeats' figures."""
+    return session.connection().execute(_REVISION).scalar_one_or_none()
+
+
+def list_nodes_json_at(*, session: Session) -> tuple[int | None, bytes]:
+    """The light node list (``list_nodes(gpu_metrics=False)``) as the JSON document the API serves,
+    with the revision it was built at (read in the same snapshot). On PostgreSQL the database
+    writes it in one statement: at 1,250 nodes the rows through SQLAlchemy, psycopg, dicts and
+    pydantic-core cost the server ~20-25 ms of CPU per request (the database ~6-10), the statement
+    costs the server ~1.5 ms (the database ~15-20; issue 12). On SQLite the rows go through
+    pydantic-core, in the transaction that read the revision (one snapshot): SQLite writes a REAL in
+    JSON with 15 significant digits (``33.3333333333333`` for 33.333333333333336), not the same
+    document."""
     if session.get_bind().dialect.name == "postgresql":
-        return session.connection().execute(_NODE_LIST_JSON_PG).scalar_one().encode()
-    return to_json(list_nodes(session=session))
+        rev, doc = session.connection().execute(_NODE_LIST_JSON_PG).one()
+        return rev, doc.encode()
+    rev = node_list_revision(session=session)
+    return rev, to_json(list_nodes(session=session))
+
+
+def list_nodes_json(*, session: Session) -> bytes:
+    """The light node list as the API serves it, built now (``list_nodes_json_at``)."""
+    return list_nodes_json_at(session=session)[1]
+
+
+class _Built(NamedTuple):
+    rev: int
+    at: float  # the clock when its build began
+    doc: bytes
+
+
+class NodeListCache:
+    """The light node list as one API process last built it (issue 12: at 1,250 nodes building it
+    costs ~16 ms of PostgreSQL's CPU; reading the revision ~0.1 ms). A request reads the revision
+    and is served the kept document when it was built at that revision and is at most
+    ``max_age_s`` old. Every change the list shows but the heartbeats' figures raises the revision
+    in the transaction that makes it (database triggers: any process, raw SQL too), so a list
+    read after a commit shows it: drains, registrations, starts and releases are never stale;
+    ``last_heartbeat_at``, ``gpu_util_pct`` and ``gpus_busy`` are at most ``max_age_s`` older than
+    the last heartbeat (plus one build, while one request of the process rebuilds an expired
+    document and the others are served the previous one). One build at a time per process:
+    requests that find the revision changed wait for it and take its document when it carries
+    their revision. ``max_age_s`` 0: every request builds the list."""
+
+    def __init__(self, max_age_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._built: _Built | None = None
+        self.builds = 0  # documents built (benchmarks and tests read it)
+
+    def _fresh(self, built: _Built | None, rev: int) -> bool:
+        return built is not None and built.rev >= rev and self._clock() - built.at <= self.max_age_s
+
+    def get(self, *, session: Session) -> bytes:
+        rev = node_list_revision(session=session) if self.max_age_s > 0 else None
+        if rev is None:  # not kept, or no revision row (a schema made without migration 0016's): built
+            self.builds += 1
+            return list_nodes_json(session=session)
+        built = self._built  # one attribute: read whole, never half of an update
+        if self._fresh(built, rev):
+            return built.doc
+        if built is not None and built.rev == rev:
+            # only too old: one request builds it again, the others are served the kept one meanwhile
+            if not self._lock.acquire(blocking=False):
+                return built.doc
+        else:
+            self._lock.acquire()  # changed: wait for the build under way, which may carry the change
+        try:
+            built = self._built
+            if self._fresh(built, rev):
+                return built.doc
+            began = self._clock()
+            built_rev, doc = list_nodes_json_at(session=session)
+            self.builds += 1
+            # (on SQLite a request's snapshot dates from its first read: never replace a newer one)
+            if built_rev is not None and (built is None or built_rev >= built.rev):
+                self._built = _Built(built_rev, began, doc)
+            return doc
+        finally:
+            self._lock.release()
 
 
 def node_summary(*, session: Session, name: str) -> NodeSummary:

@@ -325,6 +325,71 @@ END""",
 JOB_CHANGE_COUNTER_ROW = "INSERT OR IGNORE INTO job_change_counter (id, seq) VALUES (1, 0)"
 
 
+class NodeListRevision(Base):
+    """One row (id 1): a number the database raises in every transaction that changes what the
+    node list shows other than the heartbeats' figures (issue 12): a node added, removed or
+    relabelled, its state or reason, an allocation taken, moved or released. ``GET /api/v1/nodes``
+    serves a document built at the same revision (services/nodes.NodeListCache), so a change
+    committed anywhere (any API replica, the scheduler, an agent's pass, raw SQL) is in the next
+    list read after the commit. The heartbeats' own figures (``last_heartbeat_at``,
+    ``gpu_util_pct``, ``gpus_busy``) do not raise it: 1,250 agents change them every second."""
+
+    __tablename__ = "node_list_revision"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rev: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+# What raises node_list_revision.rev: the node list's columns of `nodes` (not the heartbeat's
+# figures) and every column of an allocation that the list's free GPUs and running jobs read.
+NODE_LIST_NODE_COLUMNS = ("name", "zone", "leaf", "gpus", "state", "state_reason", "address", "fake_gpus")
+NODE_LIST_ALLOCATION_COLUMNS = ("node_name", "job_id", "gpus", "active")
+NODE_LIST_REVISION_ROW = "INSERT INTO node_list_revision (id, rev) VALUES (1, 0) ON CONFLICT DO NOTHING"
+
+
+def _changed(columns: tuple[str, ...], dialect: str, json_columns: tuple[str, ...] = ()) -> str:
+    if dialect == "postgresql":  # json has no equality operator: compared as text
+        old, new = (", ".join(f"{row}.{c}::text" if c in json_columns else f"{row}.{c}" for c in columns)
+                    for row in ("OLD", "NEW"))
+        return f"({old}) IS DISTINCT FROM ({new})"
+    return " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in columns)
+
+
+def node_list_revision_ddl(dialect: str) -> list[str]:
+    """The triggers that raise node_list_revision.rev (created by migration 0016 and, for
+    create_all, by the listener below). PostgreSQL: deferred constraint triggers, so the row is
+    raised at commit, once per transaction (a transaction-local flag), after every other lock the
+    transaction takes (no lock-order cycle with node or job rows; two committing writers queue on
+    the one row for the length of a commit). SQLite: plain triggers (one writer at a time)."""
+    tables = (("nodes", NODE_LIST_NODE_COLUMNS, ()), ("job_allocations", NODE_LIST_ALLOCATION_COLUMNS, ("gpus",)))
+    if dialect == "postgresql":
+        ddl = ["""CREATE OR REPLACE FUNCTION hai_node_list_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF coalesce(current_setting('hai.node_list_changed', true), '') <> 'y' THEN
+    UPDATE node_list_revision SET rev = rev + 1 WHERE id = 1;
+    PERFORM set_config('hai.node_list_changed', 'y', true);
+  END IF;
+  RETURN NULL;
+END $$"""]
+        for table, cols, json_cols in tables:  # no CREATE OR REPLACE for constraint triggers: create_all may run twice
+            ddl.append(f"DROP TRIGGER IF EXISTS {table}_list_rows ON {table}")
+            ddl.append(f"DROP TRIGGER IF EXISTS {table}_list_update ON {table}")
+            ddl.append(f"CREATE CONSTRAINT TRIGGER {table}_list_rows AFTER INSERT OR DELETE ON {table} "
+                       "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION hai_node_list_changed()")
+            ddl.append(f"CREATE CONSTRAINT TRIGGER {table}_list_update AFTER UPDATE OF {', '.join(cols)} ON {table} "
+                       f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ({_changed(cols, dialect, json_cols)}) "
+                       "EXECUTE FUNCTION hai_node_list_changed()")
+        return ddl
+    bump = "BEGIN UPDATE node_list_revision SET rev = rev + 1 WHERE id = 1; END"
+    ddl = []
+    for table, cols, _json in tables:
+        ddl.append(f"CREATE TRIGGER IF NOT EXISTS {table}_list_insert AFTER INSERT ON {table} {bump}")
+        ddl.append(f"CREATE TRIGGER IF NOT EXISTS {table}_list_delete AFTER DELETE ON {table} {bump}")
+        ddl.append(f"CREATE TRIGGER IF NOT EXISTS {table}_list_update AFTER UPDATE OF {', '.join(cols)} ON {table} "
+                   f"WHEN {_changed(cols, dialect)} {bump}")
+    return ddl
+
+
 class SchedulerLease(Base):
     """Leadership of the scheduler, fenced (services/leader.py): each new leader bumps ``epoch``;
     every transaction that writes scheduling decisions locks this row and checks that its epoch
@@ -380,7 +445,7 @@ from hai.db.models.metrics import GpuSample, GpuStatus, MetricRollup  # noqa: E4
 
 __all__ = [
     "ApiToken", "Base", "GpuHold", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
-    "NodeEvent", "Quota", "SchedulerLease", "User", "UserUsage", "ValidationCheck", "ValidationRun",
+    "NodeEvent", "NodeListRevision", "Quota", "SchedulerLease", "User", "UserUsage", "ValidationCheck", "ValidationRun",
 ]
 
 
@@ -403,7 +468,11 @@ class IdempotencyKey(Base):
 @event.listens_for(Base.metadata, "after_create")
 def _job_change_triggers(_target, connection, **_kw) -> None:  # noqa: ANN001
     """create_all (tests, tools) gets what migration 0015 creates: the counter's row and, on
-    SQLite, the triggers that maintain ``Job.change_seq``."""
+    SQLite, the triggers that maintain ``Job.change_seq``; and what migration 0016 creates: the
+    node list's revision row and the triggers that raise it."""
+    connection.exec_driver_sql(NODE_LIST_REVISION_ROW)
+    for ddl in node_list_revision_ddl(connection.dialect.name):
+        connection.exec_driver_sql(ddl)
     if connection.dialect.name != "sqlite":
         return
     connection.exec_driver_sql(JOB_CHANGE_COUNTER_ROW)

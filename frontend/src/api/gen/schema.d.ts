@@ -289,6 +289,9 @@ export interface paths {
          * List Nodes
          * @description Every node with its state, free GPUs, running jobs and GPU utilisation (mean and busy count);
          *     per-GPU figures only with `include=gpu_metrics` (issue 12: they were nearly all of this list's cost).
+         *     Labels, states, free GPUs and running jobs are current as of the request; each node's heartbeat
+         *     time and utilisation may be up to `HAI_HTTP__NODE_LIST_MAX_AGE_S` (1 s) older than its last
+         *     heartbeat (the list is kept per API process while nothing else in it changed).
          */
         get: operations["list_nodes_api_v1_nodes_get"];
         put?: never;
