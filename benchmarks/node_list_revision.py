@@ -24,14 +24,12 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "backend"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from metrics_ingest import _fresh_db  # noqa: E402  (a database of its own, dropped after)
 from sqlalchemy import create_engine, text  # noqa: E402
-from sqlalchemy.engine import make_url  # noqa: E402
 
 from hai.db.migrate import upgrade  # noqa: E402
 
@@ -53,11 +51,7 @@ def main() -> None:
     args = ap.parse_args()
     base = os.environ.get("HAI_BENCH_DATABASE_URL") or os.environ.get("HAI_TEST_DATABASE_URL") \
         or "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-    name = f"hai_nlr_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(base).set(database=name).render_as_string(hide_password=False)
+    url, drop = _fresh_db(base)
     out: dict = {"nodes": args.nodes, "repeat": args.repeat, "load_before": os.getloadavg()}
     try:
         upgrade(url)
@@ -132,9 +126,7 @@ def main() -> None:
             print(f"  {case:32s} triggers on p50 {on['p50_ms']:7.3f} p99 {on['p99_ms']:7.3f} ms | off p50 "
                   f"{off['p50_ms']:7.3f} p99 {off['p99_ms']:7.3f} ms", flush=True)
     finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop()
     out["load_after"] = os.getloadavg()
     # each 'on' round raised the revision once per writing transaction (starts, release, delete, drain)
     print(f"  revision after the run: {out['revision_after']} (expected {1 + 4 * args.repeat}: the seed, then one per writing "

@@ -45,6 +45,19 @@ def pg_url(server_db_url: str):
     yield from _fresh_database(server_db_url)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions(request, tmp_path):  # noqa: ANN001, ANN201
+    """A session factory on a migrated database, once SQLite and once PostgreSQL."""
+    from hai.db.migrate import upgrade
+    from sqlalchemy.orm import sessionmaker
+
+    url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    upgrade(url)
+    engine = create_engine(url)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
 @pytest.fixture
 def second_pg_url(server_db_url: str):
     """Another fresh database beside ``pg_url`` (two platforms compared side by side)."""

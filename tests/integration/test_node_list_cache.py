@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text, update
 from sqlalchemy.orm import sessionmaker
@@ -19,19 +18,9 @@ from hai.db.migrate import upgrade
 from hai.db.models import JobAllocation, Node, User
 from hai.main import create_app
 from hai.protocol import GpuMetrics, Heartbeat
-from hai.services import auth
 from hai.services import nodes as node_service
 from hai.services.nodes import NodeListCache, node_list_revision
 from tests.conftest import Api
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def sessions(request, tmp_path):
-    url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
-    upgrade(url)
-    engine = create_engine(url)
-    yield sessionmaker(engine, expire_on_commit=False)
-    engine.dispose()
 
 
 def _rev(sessions) -> int:  # noqa: ANN001

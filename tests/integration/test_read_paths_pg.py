@@ -7,26 +7,12 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.orm import sessionmaker
-
-from hai.db.migrate import upgrade
 from hai.db.models import Job, JobAllocation, JobEvent, Node, User
 from hai.domain.jobs import JobState
 from hai.services import job_views
 from hai.services import nodes as node_service
 from hai.services.auth import Principal
 from hai.services.job_views import CountMode, job_list_page, list_jobs
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def sessions(request, tmp_path):
-    url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
-    upgrade(url)
-    engine = create_engine(url)
-    yield sessionmaker(engine, expire_on_commit=False)
-    engine.dispose()
 
 
 def _seed(s, now: datetime) -> None:  # noqa: ANN001
