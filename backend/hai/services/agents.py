@@ -229,7 +229,7 @@ def _quiet_statement():  # noqa: ANN202 - built once, compiled once (SQLAlchemy'
         select(n.c.state.label("n_state"), n.c.heartbeats_since_quick.label("n_quick"),
                n.c.agent_version.label("n_agent_version"), node_health.has_pending_run().label("n_pending"),
                *(a.c[c].label("a_" + c) for c in _ALLOC_COLUMNS), *(j.c[c].label("j_" + c) for c in _JOB_COLUMNS))
-        .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active.is_(True))))
+        .select_from(n.outerjoin(a.join(j, j.c.id == a.c.job_id), and_(a.c.node_name == n.c.name, a.c.active)))
         .where(n.c.name == bindparam("node"))
         .order_by(a.c.job_id, a.c.attempt)
         .with_for_update(key_share=True, of=n)  # as the ORM pass locks it (issue 13: the reaper)

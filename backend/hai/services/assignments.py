@@ -60,7 +60,7 @@ def active_allocations(session: Session, node_name: str) -> list[JobAllocation]:
     return list(
         session.scalars(
             select(JobAllocation)
-            .where(JobAllocation.node_name == node_name, JobAllocation.active.is_(True))
+            .where(JobAllocation.node_name == node_name, JobAllocation.active)
             .order_by(JobAllocation.job_id, JobAllocation.attempt)
             .options(joinedload(JobAllocation.job, innerjoin=True).options(lazyload(Job.events), lazyload(Job.allocations)))
         )
@@ -73,7 +73,7 @@ def active_allocations_of(session: Session, node_names: list[str]) -> dict[str, 
     if node_names:
         for alloc in session.scalars(
             select(JobAllocation)
-            .where(JobAllocation.node_name.in_(sorted(set(node_names))), JobAllocation.active.is_(True))
+            .where(JobAllocation.node_name.in_(sorted(set(node_names))), JobAllocation.active)
             .order_by(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt)
             .options(joinedload(JobAllocation.job, innerjoin=True).options(lazyload(Job.events), lazyload(Job.allocations)))
         ):

@@ -207,7 +207,7 @@ def _write(session: Session, buf: _Buffer, cfg: MetricsSettings, *, include_open
     if nodes:
         for job_id, node_name, gpus in session.execute(
             select(JobAllocation.job_id, JobAllocation.node_name, JobAllocation.gpus).where(
-                JobAllocation.active.is_(True), JobAllocation.node_name.in_(nodes)
+                JobAllocation.active, JobAllocation.node_name.in_(nodes)
             )
         ):
             for g in gpus or ():
@@ -409,7 +409,7 @@ def idle_allocations(*, session: Session, now: datetime, settings: Settings) -> 
         select(JobAllocation.job_id, Job.name, Job.user_name, JobAllocation.node_name, JobAllocation.gpus,
                JobAllocation.created_at)
         .join(Job, Job.id == JobAllocation.job_id)
-        .where(JobAllocation.active.is_(True), Job.state == "running",
+        .where(JobAllocation.active, Job.state == "running",
                JobAllocation.created_at <= datetime.fromtimestamp(now_s - cfg.idle_after_s, timezone.utc))
     ).all()
     if not rows:
@@ -475,7 +475,7 @@ def cluster_summary(*, session: Session, settings: Settings) -> ClusterSummary:
 
     gpus, busy = session.execute(select(func.coalesce(func.sum(Node.gpus), 0), func.coalesce(func.sum(Node.gpus_busy), 0))).one()
     allocated = int(session.scalar(  # counted by the database: no GPU list decoded here
-        select(func.coalesce(func.sum(func.json_array_length(JobAllocation.gpus)), 0)).where(JobAllocation.active.is_(True))
+        select(func.coalesce(func.sum(func.json_array_length(JobAllocation.gpus)), 0)).where(JobAllocation.active)
     ) or 0)
     queued = {p: int(c) for p, c in session.execute(
         select(Job.priority, func.count()).where(Job.state == "queued").group_by(Job.priority))}

@@ -41,7 +41,7 @@ def cluster_gauges(*, session: Session, now: datetime) -> ClusterGauges:
         select(Job.state, Job.priority, func.count()).group_by(Job.state, Job.priority))}
     nodes = {s: int(c) for s, c in session.execute(select(Node.state, func.count()).group_by(Node.state))}
     ready = session.scalar(select(func.coalesce(func.sum(Node.gpus), 0)).where(Node.state == NodeState.READY.value)) or 0
-    held = sum(len(g) for g in session.scalars(select(JobAllocation.gpus).where(JobAllocation.active.is_(True))))
+    held = sum(len(g) for g in session.scalars(select(JobAllocation.gpus).where(JobAllocation.active)))
     waits: dict[str, list[float]] = {}
     for priority, queued_at in session.execute(select(Job.priority, Job.queued_at).where(Job.state == "queued")):
         waits.setdefault(priority, []).append(max(0.0, (now - queued_at).total_seconds()))

@@ -106,7 +106,7 @@ def get_validation(*, session: Session, run_id: int) -> ValidationRun:
 
 def _active_allocs(session: Session, node: Node) -> list[JobAllocation]:
     return list(session.scalars(
-        select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active.is_(True))
+        select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active)
         .order_by(JobAllocation.job_id, JobAllocation.attempt)
     ))
 

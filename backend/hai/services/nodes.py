@@ -208,7 +208,7 @@ def node_summary(*, session: Session, name: str) -> NodeSummary:
     held: set[int] = set()
     jobs: set[int] = set()
     for alloc in session.scalars(
-        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active.is_(True))
+        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active)
     ):
         held.update(alloc.gpus)
         jobs.add(alloc.job_id)

@@ -73,7 +73,7 @@ def silent_nodes(session: Session, cutoff: datetime) -> list[str]:
 
 def _active_allocs(session: Session, name: str) -> list[JobAllocation]:
     return list(session.scalars(
-        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active.is_(True))
+        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active)
         .execution_options(populate_existing=True)
     ))
 

@@ -166,7 +166,7 @@ def _load(
     active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
     for job_id, attempt, node_name, gpus in session.execute(
         select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
-        .where(JobAllocation.active.is_(True))
+        .where(JobAllocation.active)
         .order_by(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_rank)
     ):
         held.setdefault(node_name, set()).update(gpus)
@@ -465,7 +465,7 @@ def _quiet(session: Session, counts: tuple[int, int] | None = None) -> _Quiet | 
     for job_id, user, gpus, node_gpus, node_indices in session.execute(
         select(Job.id, Job.user_name, JobAllocation.gpus, Node.gpus, Node.gpu_indices)
         .outerjoin(JobAllocation, and_(JobAllocation.job_id == Job.id, JobAllocation.attempt == Job.attempt,
-                                       JobAllocation.active.is_(True)))
+                                       JobAllocation.active))
         .outerjoin(Node, Node.name == JobAllocation.node_name)
         .where(Job.state.in_(active))
     ):

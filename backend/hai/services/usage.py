@@ -59,7 +59,7 @@ def quota_use(*, session: Session) -> list[QuotaUse]:
     for group, priority, user, gpus in session.execute(
         select(Job.group, Job.priority, Job.user_name, JobAllocation.gpus)
         .join(Job, Job.id == JobAllocation.job_id)
-        .where(JobAllocation.active.is_(True))
+        .where(JobAllocation.active)
     ):
         held[(group, priority, user)] += len(gpus or ())
     out = []

@@ -74,7 +74,7 @@ def assignment_fingerprints(platform: Platform) -> dict[str, int]:
             select(JobAllocation.node_name, JobAllocation.job_id, JobAllocation.attempt, Job.attempt, Job.state,
                    Job.desired_action)
             .join(Job, Job.id == JobAllocation.job_id)
-            .where(JobAllocation.active.is_(True))
+            .where(JobAllocation.active)
         ).all()
     out: dict[str, list] = {}
     for node, job_id, alloc_attempt, job_attempt, state, desired in rows:
