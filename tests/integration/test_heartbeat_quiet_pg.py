@@ -44,17 +44,27 @@ def exited(job_id: int, attempt: int, rank: int = 0) -> AttemptStatus:
                          ranks=[RankStatus(rank=rank, local_rank=0, state="exited", exit_code=0)])
 
 
-def passed(run: dict) -> dict:
-    return {"run_id": run["run_id"], "level": run["level"], "started_at": 1.0, "finished_at": 2.0,
-            "checks": [{"name": "gpu_inventory", "level": run["level"], "critical": True, "status": "passed",
-                        "value": 8, "threshold": 8, "detail": "8 GPUs as registered"}]}
+def passed(run: dict, kind: str = "pass") -> dict:
+    """A finished run's report: passed (a critical check passed, one not critical failed, one
+    skipped), or ``fail`` (a critical check failed), or ``xid`` (passed, with a hardware Xid)."""
+    lv = run["level"]
+    checks = [{"name": "gpu_inventory", "level": lv, "critical": True, "status": "failed" if kind == "fail" else "passed",
+               "value": 7 if kind == "fail" else 8, "threshold": 8, "detail": "GPUs as registered", "duration_s": 0.25},
+              {"name": "gpu_xid", "level": lv, "critical": False, "status": "failed" if kind == "xid" else "passed",
+               "value": 1 if kind == "xid" else 0, "threshold": 0, "unit": "errors",
+               "data": {"hardware": [79]} if kind == "xid" else {"seen": []}},
+              {"name": "nccl_bus", "level": lv, "critical": False, "status": "skipped", "detail": "quick round"}]
+    return {"run_id": run["run_id"], "level": lv, "started_at": 1.0 + run["run_id"], "finished_at": 2.5 + run["run_id"],
+            "checks": checks}
 
 
 def drive(p: Platform, jobs: dict, rounds: int = 12) -> tuple[list[dict], list[tuple[tuple[str, bool], bool]]]:
     """Every node heartbeats ``rounds`` times, echoing its digest, answering the validation runs it
     is asked for, reporting its attempts running; then: "late" is cancelled (round 4: the agent
     stops it and forgets it, round 5: an unreported stop to release), a node of "two" is drained
-    (round 6), "one" exits (round 8); one node of "two" answers its runs only every third round.
+    (round 6), "one" exits (round 8); one node of "two" answers its runs only every third round;
+    from round 9 "one"'s node reports a hardware Xid in its runs and "late"'s node a failed
+    critical check (``passed``: every other report passes).
     Returns the replies and ((node, answered quietly), delivered validation results) per beat."""
     admin = auth.Principal(kind="user", user_id=None, name="admin", group="g", is_admin=True)
     (one_node, one), = jobs["one"].items()
@@ -88,8 +98,9 @@ def drive(p: Platform, jobs: dict, rounds: int = 12) -> tuple[list[dict], list[t
                 attempts = [running(*two, rank=two_nodes.index(n))]
             # the slow node runs its validators for three heartbeats (its replies list the run meanwhile)
             answer = asked.pop(n, []) if n != slow or r % 3 == 2 else []
+            kind = "pass" if r < 9 else {one_node: "xid", late_node: "fail"}.get(n, "pass")
             hb = Heartbeat(node=n, attempts=attempts, assignments_digest=digests.get(n),
-                           validations=[passed(v) for v in answer],
+                           validations=[passed(v, kind) for v in answer],
                            gpus=[GpuMetrics(index=0, uuid=f"GPU-{n}-0", util_pct=float(r))])
             before = len(paths)
             agents._quiet_heartbeat = spy
@@ -100,7 +111,7 @@ def drive(p: Platform, jobs: dict, rounds: int = 12) -> tuple[list[dict], list[t
                 agents._quiet_heartbeat = real
             if len(paths) == before:
                 paths.append((n, False))  # not offered to the quiet pass (it delivered validations)
-            delivered.append(bool(answer))
+            delivered.append(kind if answer else "")
             digests[n] = reply.assignments_digest
             asked[n] = [v.model_dump(mode="json") for v in reply.validations]
             replies.append(reply.model_dump(mode="json"))
@@ -118,7 +129,9 @@ def state(p: Platform) -> dict:
             "holds": s.scalar(select(func.count()).select_from(GpuHold)),
             "nodes": [(n.name, n.state, n.heartbeats_since_quick, n.gpu_metrics, n.gpu_util_pct, n.gpus_busy,
                        n.last_heartbeat_at is not None) for n in s.scalars(select(Node).order_by(Node.name))],
-            "runs": [(v.node_name, v.level, v.trigger, v.status, v.delivered_at is not None)
+            "runs": [(v.node_name, v.level, v.trigger, v.status, v.delivered_at is not None, v.summary, v.started_at,
+                      v.finished_at, [(c.position, c.name, c.level, c.critical, c.status, c.value, c.threshold, c.unit,
+                                       c.detail, c.duration_s, c.data) for c in v.checks])
                      for v in s.scalars(select(ValidationRun).order_by(ValidationRun.id))],
         }
 
@@ -134,7 +147,8 @@ def test_the_quiet_pass_answers_what_changes_nothing_and_writes_what_the_orm_pas
         want, _ = drive(orm, jobs)
         monkeypatch.undo()
         assert got == want
-        assert state(quiet) == state(orm)
+        written = state(quiet)
+        assert written == state(orm)
     finally:
         quiet.close()
         orm.close()
@@ -151,16 +165,26 @@ def test_the_quiet_pass_answers_what_changes_nothing_and_writes_what_the_orm_pas
     assert dict(by_round[5])[late_node] is False  # the unreported stop released
     assert dict(by_round[8])[one_node] is False  # the exit
     assert not any(q for n, q in paths[6 * len(NODES):] if n == drained)  # draining, then the job moved
-    # a beat that delivers validation results is never quiet; in rounds 1-3 (before the cancel)
-    # every other beat is: those that ask for a round, and the slow node's while its run waits
-    asked_quietly = waiting_quietly = 0
+    # results that failed or carry a hardware Xid are never absorbed quietly; in rounds 1-3 (before
+    # the cancel) every beat is quiet: those that deliver passed runs, those that ask for a round,
+    # and the slow node's while its run waits
+    asked_quietly = waiting_quietly = passed_quietly = 0
     for i, (reply, ((node, q), delivered)) in enumerate(zip(got, beats)):
-        if delivered:
-            assert not q, f"beat {i} of {node}: validation results absorbed quietly"
+        if delivered in ("fail", "xid"):
+            assert not q, f"beat {i} of {node}: {delivered} results absorbed quietly"
         elif 1 <= i // len(NODES) <= 3:
-            assert q, f"beat {i} of {node}: changed nothing but liveness (or asked a round), went the ORM way"
+            assert q, f"beat {i} of {node}: changed nothing but liveness (or delivered a passed run), went the ORM way"
             asked_quietly += bool(reply["validations"])
+            passed_quietly += delivered == "pass"
         if not delivered and q and reply["validations"] and i >= len(NODES) and got[i - len(NODES)]["validations"]:
             waiting_quietly += 1  # listed again, quietly, while the agent runs it
     assert asked_quietly >= 2  # quick rounds fell due in rounds 1-3 and were asked for quietly
+    assert passed_quietly >= 2  # ... and their passed results were stored quietly
+    assert {"fail", "xid"} <= {d for _, d in beats}  # both went the ORM way (asserted above) and wrote the same
+    nodes = {n[0]: n[1] for n in written["nodes"]}
+    assert nodes[late_node] == "unhealthy"  # the failed critical check
+    assert any(r[0] == one_node and r[2] == "xid" for r in written["runs"])  # the Xid asked for a full run
+    summaries = {r[5] for r in written["runs"] if r[3] == "passed"}
+    assert "2 passed, 0 failed (not critical), 1 skipped" in summaries  # the quiet pass's summary
+    assert all(len(r[8]) == 3 for r in written["runs"] if r[3] in ("passed", "failed"))  # and its checks
     assert waiting_quietly >= 1

@@ -25,7 +25,7 @@ from sqlalchemy import and_, bindparam, insert, select, update
 from sqlalchemy.orm import Session, defer
 
 from hai.db.base import utcnow
-from hai.db.models import Job, JobAllocation, Node, ValidationRun
+from hai.db.models import Job, JobAllocation, Node, ValidationCheck, ValidationRun
 from hai.domain.jobs import JobState
 from hai.domain.nodes import NodeState
 from hai.protocol import (SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, GpuInfo, Heartbeat,
@@ -93,10 +93,11 @@ def heartbeat(*, session: Session, hb: Heartbeat, settings: Settings, seen: dict
     """``seen``: filled with the node's state after the heartbeat (for ``ReplyCache.store``)."""
     check_version(hb.protocol_version)
     now = utcnow()
-    if not hb.validations:  # issue 12: a heartbeat that changes nothing but liveness, in Core
-        reply = _quiet_heartbeat(session, hb, settings=settings, now=now, seen=seen)
-        if reply is not None:
-            return reply
+    # issue 12: a heartbeat that changes nothing but liveness (or only delivers passed validation
+    # runs), in Core
+    reply = _quiet_heartbeat(session, hb, settings=settings, now=now, seen=seen)
+    if reply is not None:
+        return reply
     # the node's JSON documents (inventory, metrics, NICs) load only if something reads them:
     # a heartbeat overwrites the metrics and reads the inventory only for a validation run
     # the node's row first, held to the commit (FOR NO KEY UPDATE: allocations' foreign keys
@@ -201,9 +202,13 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
 # node, whether it has a pending validation run, and its active allocations with their jobs in one
 # statement, checks that the ORM pass would change nothing but liveness, and writes liveness with
 # one UPDATE (and, when the node's quick round falls due, the run's INSERT: the round's request
-# costs no ORM pass either). Anything else (a report that changed, a stop to release, validation
-# results, a pending run, a node neither ready nor drained) goes the ORM way, in the same
-# transaction (the node's row stays locked), as before.
+# costs no ORM pass either). Validation runs that passed, delivered by a ready or drained node,
+# are stored here too (an UPDATE of the run, an INSERT of its checks): on a ready node a passed run
+# changes nothing else, and the periodic quick rounds' results were the fan-in's dearest ORM
+# passes (two full passes a round, every ``quick_every_heartbeats``: 0.56 of 1.33 ms of server
+# CPU per heartbeat at 600 agents). Anything else (a report that changed, a stop to release, a
+# failed run or a hardware Xid, a pending run not delivered yet, a node neither ready nor
+# drained) goes the ORM way, in the same transaction (the node's row stays locked), as before.
 _QUIET_STATES = (NodeState.READY.value, NodeState.DRAINED.value)
 
 
@@ -238,8 +243,15 @@ def _quiet_statement():  # noqa: ANN202 - built once, compiled once (SQLAlchemy'
 
 def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now, seen: dict | None) -> ServerReply | None:  # noqa: ANN001
     """The heartbeat in Core when it changes nothing but the node's liveness (last heartbeat, latest
-    GPU figures, the quick-round count), else None (the caller goes on the ORM way; the node's row
-    is locked either way)."""
+    GPU figures, the quick-round count) and the passed validation runs it delivers, else None (the
+    caller goes on the ORM way; the node's row is locked either way). Nothing is written before
+    every reason to return None has been ruled out."""
+    delivered: dict[int, tuple] = {}  # run id -> (run columns, check rows): the first report of each run
+    for report in hb.validations:
+        values, rows_, checks = node_health.report_rows(report)
+        if values["status"] != "passed" or node_health.hardware_xid(checks):
+            return None  # the node's state changes, or a full run is asked for: node_health.absorb_reports
+        delivered.setdefault(report.run_id, (values, rows_))
     rows = session.execute(_quiet_statement(), {"node": hb.node}).all()
     if not rows:
         return None  # unknown node: the ORM pass answers (reregister)
@@ -287,9 +299,13 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     # marked delivered by the ORM pass
     vr = ValidationRun.__table__
     runs: list[tuple[int, str]] = []
+    absorbed: list[int] = []  # the node's pending runs whose results this heartbeat delivers
     if first.n_pending:
         for r in session.execute(select(vr.c.id, vr.c.level, vr.c.delivered_at)
                                  .where(vr.c.node_name == hb.node, vr.c.status == node_health.PENDING).order_by(vr.c.id)):
+            if r.id in delivered:
+                absorbed.append(r.id)
+                continue
             if r.delivered_at is None:
                 return None
             runs.append((r.id, r.level))
@@ -297,7 +313,8 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     # the round when it falls due (request_validation, delivered in this reply: pending_requests)
     quick = first.n_quick or 0
     every = settings.validation.quick_every_heartbeats
-    if every and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
+    # (a heartbeat that delivers results does not count: rounds follow the agent's own rhythm)
+    if every and not hb.validations and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
         if not runs:
             quick += 1
         if quick >= every:
@@ -309,6 +326,15 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
                 requested_by="validator", requested_at=now, delivered_at=now, summary="",
             ).returning(vr.c.id)).scalar_one()
             runs.append((run_id, "quick"))
+    # node_health.absorb_reports for runs that passed on a ready or drained node: stored, nothing else
+    # (a report of a run that is not this node's pending one is ignored there too)
+    vc = ValidationCheck.__table__
+    for run_id in absorbed:
+        run_values, check_rows = delivered[run_id]
+        session.execute(update(vr).where(vr.c.id == run_id).values(**run_values))
+        if check_rows:
+            session.execute(insert(vc), [dict(r, run_id=run_id) for r in check_rows])
+        publish_after_commit(session, node_health.validation_topic(run_id))
     metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
     values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
     if hb.gpus:

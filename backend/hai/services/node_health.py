@@ -168,23 +168,38 @@ def pending_requests(session: Session, node: Node, *, now: datetime | None = Non
     return [ValidationRequest(run_id=r.id, level=r.level, expected_gpus=inventory) for r in runs]  # type: ignore[arg-type]
 
 
-def _store_report(run: ValidationRun, report: ValidationReport) -> list[dict]:
+def report_rows(report: ValidationReport) -> tuple[dict, list[dict], list[dict]]:
+    """What storing a finished run writes: the run's columns (status, summary, start and finish),
+    its check rows (``validation_checks`` without ``run_id``) and the checks as the protocol
+    gives them. Shared by the ORM pass (``_store_report``) and the heartbeat's Core pass
+    (``agents._quiet_heartbeat``), which must write the same."""
     checks = [c.model_dump(mode="json") for c in report.checks]
-    run.checks = [
+    rows = [
         # issue 13: a name or unit longer than its column (64, 32) is cut, never a failed heartbeat
         # (PostgreSQL refuses the insert, the agent re-sends the report: its node goes lost)
-        ValidationCheck(position=i, name=c["name"][:64], level=c["level"], critical=c["critical"], status=c["status"],
-                        value=c.get("value"), threshold=c.get("threshold"), unit=(c.get("unit") or "")[:32],
-                        detail=c.get("detail") or "", duration_s=c.get("duration_s") or 0.0, data=c.get("data") or {})
+        dict(position=i, name=c["name"][:64], level=c["level"], critical=c["critical"], status=c["status"],
+             value=c.get("value"), threshold=c.get("threshold"), unit=(c.get("unit") or "")[:32],
+             detail=c.get("detail") or "", duration_s=c.get("duration_s") or 0.0, data=c.get("data") or {})
         for i, c in enumerate(checks)
     ]
-    run.started_at = datetime.fromtimestamp(report.started_at, tz=utcnow().tzinfo)
-    run.finished_at = datetime.fromtimestamp(report.finished_at, tz=utcnow().tzinfo)
     failed = failed_critical(checks)
-    run.status = "failed" if failed else "passed"
     counts = {s: sum(1 for c in checks if c["status"] == s) for s in ("passed", "failed", "skipped")}
-    run.summary = (failure_reason(failed) if failed else
-                   f"{counts['passed']} passed, {counts['failed']} failed (not critical), {counts['skipped']} skipped")
+    tz = utcnow().tzinfo
+    run = {
+        "status": "failed" if failed else "passed",
+        "summary": (failure_reason(failed) if failed else
+                    f"{counts['passed']} passed, {counts['failed']} failed (not critical), {counts['skipped']} skipped"),
+        "started_at": datetime.fromtimestamp(report.started_at, tz=tz),
+        "finished_at": datetime.fromtimestamp(report.finished_at, tz=tz),
+    }
+    return run, rows, checks
+
+
+def _store_report(run: ValidationRun, report: ValidationReport) -> list[dict]:
+    values, rows, checks = report_rows(report)
+    run.checks = [ValidationCheck(**r) for r in rows]
+    for k, v in values.items():
+        setattr(run, k, v)
     return checks
 
 
@@ -219,7 +234,7 @@ def absorb_reports(session: Session, node: Node, reports: list[ValidationReport]
         elif state == NodeState.LOST and node.return_validation_id == run.id:
             node.return_validation_id = None
             _return(session, node, run, now)
-        if run.level == "quick" and _hardware_xid(checks) and _pending_run(session, node) is None:
+        if run.level == "quick" and hardware_xid(checks) and _pending_run(session, node) is None:
             request_validation(session, node, level="full", trigger="xid", requested_by="validator", now=now)
 
 
@@ -241,7 +256,7 @@ def _return(session: Session, node: Node, run: ValidationRun | None, now: dateti
         set_node_state(session, node, NodeState.READY, actor="validator", reason=passed, now=now)
 
 
-def _hardware_xid(checks: list[dict]) -> bool:
+def hardware_xid(checks: list[dict]) -> bool:
     return any(c["name"] == "gpu_xid" and (c.get("data") or {}).get("hardware") for c in checks)
 
 
