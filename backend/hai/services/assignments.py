@@ -52,19 +52,21 @@ def launch_spec(job: Job, alloc: JobAllocation, settings: Settings) -> LaunchSpe
     )
 
 
-def active_allocations(session: Session, node_name: str) -> list[JobAllocation]:
+def active_allocations(session: Session, node_name: str, *, fresh: bool = False) -> list[JobAllocation]:
     """The allocations that hold GPUs on the node now, in (job, attempt) order, with their jobs
     (one query per heartbeat, not a few per allocation). A job's events and its other
     allocations are not loaded here: a heartbeat that changes nothing needs neither (they load
-    on first use, when a report is judged or a transition recorded)."""
-    return list(
-        session.scalars(
-            select(JobAllocation)
-            .where(JobAllocation.node_name == node_name, JobAllocation.active)
-            .order_by(JobAllocation.job_id, JobAllocation.attempt)
-            .options(joinedload(JobAllocation.job, innerjoin=True).options(lazyload(Job.events), lazyload(Job.allocations)))
-        )
+    on first use, when a report is judged or a transition recorded). ``fresh``: objects already
+    in the session are overwritten with the rows as read (the reaper, after it locked the jobs)."""
+    stmt = (
+        select(JobAllocation)
+        .where(JobAllocation.node_name == node_name, JobAllocation.active)
+        .order_by(JobAllocation.job_id, JobAllocation.attempt)
+        .options(joinedload(JobAllocation.job, innerjoin=True).options(lazyload(Job.events), lazyload(Job.allocations)))
     )
+    if fresh:
+        stmt = stmt.execution_options(populate_existing=True)
+    return list(session.scalars(stmt))
 
 
 def active_allocations_of(session: Session, node_names: list[str]) -> dict[str, list[JobAllocation]]:

@@ -32,6 +32,7 @@ from hai.domain.jobs import JobState
 from hai.domain.nodes import HOLDING_STATES, NodeState, failed_critical, failure_reason
 from hai.protocol import GpuInfo, ValidationReport, ValidationRequest
 from hai.services import notify
+from hai.services.assignments import active_allocations
 from hai.services.auth import Principal
 from hai.services.context import Platform
 from hai.services.errors import ChecksFailed, Conflict, NotFound
@@ -102,13 +103,6 @@ def get_validation(*, session: Session, run_id: int) -> ValidationRun:
     if run is None:
         raise NotFound(f"validation run {run_id} not found")
     return run
-
-
-def _active_allocs(session: Session, node: Node) -> list[JobAllocation]:
-    return list(session.scalars(
-        select(JobAllocation).where(JobAllocation.node_name == node.name, JobAllocation.active)
-        .order_by(JobAllocation.job_id, JobAllocation.attempt)
-    ))
 
 
 def _pending_run(session: Session, node: Node) -> ValidationRun | None:
@@ -360,7 +354,7 @@ def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], 
 
 
 def settle(session: Session, node: Node, *, now: datetime) -> None:
-    if node.state == NodeState.DRAINING.value and not _active_allocs(session, node):
+    if node.state == NodeState.DRAINING.value and not active_allocations(session, node.name):
         set_node_state(session, node, NodeState.DRAINED, actor="platform",
                        reason=node.state_reason or "drained", detail=node.state_detail, now=now)
 
@@ -370,7 +364,7 @@ def move_jobs_off(session: Session, node: Node, *, cause: str, reason: str, now:
     """Ask every job running on the node to suspend at its checkpoint; the suspension requeues
     it (absorb_move) so it resumes elsewhere."""
     moved = []
-    for alloc in _active_allocs(session, node):
+    for alloc in active_allocations(session, node.name):
         job = alloc.job
         if alloc.attempt != job.attempt or job.state not in (JobState.STARTING.value, JobState.RUNNING.value):
             continue
@@ -474,7 +468,7 @@ def drain_node(*, session: Session, name: str, reason: str, user: Principal, now
         raise Conflict(f"node {name} is {state.value} ({node.state_reason}); only a ready node can be drained")
     actor = f"admin:{user.name}"
     text = f"drained by {user.name}: {reason}"
-    if _active_allocs(session, node):
+    if active_allocations(session, node.name):
         set_node_state(session, node, NodeState.DRAINING, actor=actor, reason=text, now=now)
         move_jobs_off(session, node, cause=MOVE_DRAIN, reason=text, now=now)
     else:

@@ -36,10 +36,11 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
-from hai.db.models import JobAllocation, Node
+from hai.db.models import Node
 from hai.domain.jobs import ACTIVE_STATES, JobState
 from hai.domain.nodes import NodeState
 from hai.services import notify
+from hai.services.assignments import active_allocations
 from hai.services.jobs import publish_after_commit, requeue_as_restart
 from hai.services.leader import Lease, fence
 from hai.services.node_state import set_node_state
@@ -71,13 +72,6 @@ def silent_nodes(session: Session, cutoff: datetime) -> list[str]:
     ))
 
 
-def _active_allocs(session: Session, name: str) -> list[JobAllocation]:
-    return list(session.scalars(
-        select(JobAllocation).where(JobAllocation.node_name == name, JobAllocation.active)
-        .execution_options(populate_existing=True)
-    ))
-
-
 def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, lease: Lease | None = None,
               idle_timeout_s: float = IDLE_TIMEOUT_S, commit: bool = True) -> bool:
     """Mark ``name`` lost if it is still silent since before ``cutoff`` and not lost yet, give
@@ -95,14 +89,14 @@ def reap_node(session: Session, name: str, *, cutoff: datetime, now: datetime, l
         session.rollback()
         return False
     # the node first, then its jobs: the order of a heartbeat, a registration, a drain
-    job_ids = sorted({a.job_id for a in _active_allocs(session, name)})
+    job_ids = sorted({a.job_id for a in active_allocations(session, name, fresh=True)})
     if job_ids:
         lock_jobs(session, job_ids)
-    allocs = _active_allocs(session, name)
+    allocs = active_allocations(session, name, fresh=True)
     late = sorted({a.job_id for a in allocs} - set(job_ids))
     if late:  # placed here meanwhile (the scheduler does not lock nodes): their jobs too
         lock_jobs(session, late)
-        allocs = _active_allocs(session, name)
+        allocs = active_allocations(session, name, fresh=True)
     assert node.last_heartbeat_at is not None
     # remember an admin's drain or a fault: the node returns to it, not to ready
     was = {"was": node.state, "was_reason": node.state_reason} if node.state != NodeState.READY.value else {}
