@@ -238,10 +238,12 @@ async def agent_loop(a: SimAgent, client: httpx.AsyncClient, stats: Stats, inter
             stats.sent += 1
             stats.lat.append(end - start)
             stats.lag.append(start - due)
-        # next slot: the one after now (a beat never queues behind a late one)
-        k = max(k + 1, int((end - t0 - phase) // interval) + 1)
-        if k > int((end - t0 - phase) // interval) + 1 and stats.measuring:
-            stats.skipped += 1
+        # next slot: the one after now (a beat never queues behind a late one); the slots passed
+        # meanwhile are skipped beats
+        after = int((end - t0 - phase) // interval) + 1
+        if after > k + 1 and stats.measuring:
+            stats.skipped += after - (k + 1)
+        k = max(k + 1, after)
 
 
 def cpu_s(procs: list[psutil.Process]) -> float:
