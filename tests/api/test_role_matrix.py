@@ -8,6 +8,7 @@ cannot ship without its authorisation being stated."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -88,6 +89,7 @@ ROWS: list[Row] = [
     Row("GET", "/healthz", PUBLIC),
     Row("GET", "/metrics", ANY_USER),
     Row("POST", "/api/v1/jobs", _expect(), body=JOB, ok=dict(user=201, other=201, admin=201)),
+    Row("POST", "/api/v1/jobs/batch", _expect(), body={"jobs": [JOB, JOB]}, ok=dict(user=201, other=201, admin=201)),
     Row("GET", "/api/v1/jobs", ANY_USER),
     Row("GET", "/api/v1/jobs/{job_id}", OWNER),
     Row("POST", "/api/v1/jobs/{job_id}/cancel", OWNER),
@@ -185,7 +187,7 @@ def _app_routes(app) -> set[tuple[str, str]]:  # noqa: ANN001
         assert isinstance(ctx.original_route, Route), f"a route of an unknown kind: {ctx.original_route!r}"
         for method in ctx.methods or ():
             if method != "HEAD":
-                found.add((method, ctx.path))
+                found.add((method, re.sub(r"\{(\w+):\w+\}", r"{\1}", ctx.path)))  # {job_id:int} -> {job_id}
     return found
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from tests.e2e.conftest import wait_for
 
 
@@ -54,3 +56,23 @@ def test_cli_round_trip(stack):
     bad = stack.cli("submit", "--nodes", "3", "--", "true")
     assert bad.returncode == 2 and "nodes" in bad.stderr
     assert stack.cli("cancel", str(job_id)).returncode == 1
+
+
+def test_cli_array_runs_each_job_with_its_index(stack):
+    """``hai submit --array N``: N jobs in one request (POST /api/v1/jobs/batch), each run by an
+    agent with its HAI_ARRAY_INDEX and HAI_ARRAY_SIZE."""
+    out = stack.cli("submit", "--array", "3", "--gpus-per-node", "1", "--name", "sweep", "--",
+                    "sh", "-c", "echo index=$HAI_ARRAY_INDEX of $HAI_ARRAY_SIZE", check=True)
+    ids = [int(line) for line in out.stdout.split()]
+    assert len(ids) == 3 and ids == sorted(ids)
+    for i, job_id in enumerate(ids):
+        stack.wait_state(job_id, {"succeeded"})
+        assert stack.job(job_id)["name"] == f"sweep-{i}"
+        assert f"[rank 0] index={i} of 3" in stack.cli("logs", str(job_id), check=True).stdout
+    def total() -> int:
+        return json.loads(stack.cli("jobs", "--json", check=True).stdout)["total"]
+
+    before = total()
+    bad = stack.cli("submit", "--array", "2", "--nodes", "3", "--", "true")
+    assert bad.returncode == 2 and "jobs.0.nodes" in bad.stderr
+    assert total() == before  # nothing written

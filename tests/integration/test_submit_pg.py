@@ -181,3 +181,68 @@ def test_a_token_looked_up_in_the_submission_commits_with_it(make_api):
         used = s.scalars(select(ApiToken.last_used_at).where(ApiToken.user_id.is_not(None))).all()
     assert any(u is not None for u in used)
     assert _counts(api) == (1, 1, 0)
+
+
+# -- POST /api/v1/jobs/batch on both databases (issue 12) ---------------------------------
+def _batch(api: Api, jobs: list[dict], key: str | None = None):
+    headers = api.h(api.alice) | ({"Idempotency-Key": key} if key else {})
+    return api.client.post("/api/v1/jobs/batch", json={"jobs": jobs}, headers=headers)
+
+
+def test_a_batch_writes_its_jobs_in_order_as_single_submissions_would(make_api):
+    api = make_api()
+    api.register_node("n0")
+    jobs = [BODY | {"name": f"j{i}", "env": {"I": str(i)}, "gpus_per_node": 1 + i % 2} for i in range(50)]
+    r = _batch(api, jobs)
+    assert r.status_code == 201, r.text
+    got = r.json()["jobs"]
+    assert [(j["name"], j["env"], j["gpus_per_node"]) for j in got] == [
+        (b["name"], b["env"], b["gpus_per_node"]) for b in jobs]
+    assert [j["id"] for j in got] == sorted({j["id"] for j in got})
+    # what was written is what was answered
+    for j in (got[0], got[25], got[-1]):
+        assert api.get(f"/api/v1/jobs/{j['id']}").json() == j
+    single = _post(api, BODY).json()
+    differ = {k for k in single if got[0][k] != single[k]}
+    assert set(got[0]) == set(single) and differ <= {"id", "name", "env", "created_at", "events"}
+    assert [e["reason"] for e in got[0]["events"]] == [e["reason"] for e in single["events"]] == ["submitted"]
+    assert _counts(api) == (51, 51, 0)
+
+
+def test_a_batch_with_a_job_that_cannot_fit_writes_nothing(make_api):
+    api = make_api()
+    api.register_node("n0", gpus=4)
+    r = _batch(api, [BODY, BODY | {"gpus_per_node": 8}])
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "jobs", 1, "gpus_per_node"]
+    assert _counts(api) == (0, 0, 0)
+
+
+def test_a_batch_over_the_queued_jobs_limit_writes_nothing(make_api):
+    api = make_api(limits={"max_queued_jobs_per_user": 3})
+    api.register_node("n0")
+    assert _post(api, BODY).status_code == 201
+    assert _batch(api, [BODY] * 3).status_code == 429
+    assert _counts(api) == (1, 1, 0)
+    assert _batch(api, [BODY] * 2).status_code == 201
+    assert _counts(api) == (3, 3, 0)
+
+
+def test_concurrent_batches_with_one_key_make_one_batch(make_api):
+    api = make_api()
+    api.register_node("n0")
+    jobs = [BODY | {"name": f"j{i}"} for i in range(20)]
+    codes, ids = [], []
+
+    def post() -> None:
+        r = _batch(api, jobs, key="sweep")
+        codes.append(r.status_code)
+        ids.append(tuple(j["id"] for j in r.json()["jobs"]))
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [200] * 3 + [201], codes
+    assert len(set(ids)) == 1 and len(ids[0]) == 20
+    assert _counts(api) == (20, 20, 20)

@@ -42,7 +42,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
         if isinstance(exc, Invalid):
-            body = {"detail": [{"loc": ["body", *exc.field.split(".")], "msg": exc.message, "type": "value_error"}]}
+            loc = ["body", *(int(part) if part.isdigit() else part for part in exc.field.split("."))]
+            body = {"detail": [{"loc": loc, "msg": exc.message, "type": "value_error"}]}
             return JSONResponse(body, status_code=422)
         if isinstance(exc, ChecksFailed):
             return JSONResponse({"detail": exc.body}, status_code=exc.status_code)

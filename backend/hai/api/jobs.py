@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import BearerCredentials, CurrentUser, PlatformDep, SessionDep, user_in_thread
 from hai.domain.jobs import JobState
-from hai.schemas.jobs import JobCreate, JobList, JobRead
+from hai.schemas.jobs import JobBatchCreate, JobBatchRead, JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
 from hai.services import logs as log_service
 from hai.services import submissions
@@ -64,6 +64,53 @@ async def submit(
     return done.job
 
 
+BatchIdempotencyKeyHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=250,
+        pattern=r"^[\x21-\x7e]+$",
+        description="a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
+        "jobs the first request created (200) instead of new ones; the same key with another body is a 422",
+    ),
+]
+
+
+@router.post(
+    "/batch",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobBatchRead,
+    responses={
+        200: {"model": JobBatchRead, "description": "a replay: the jobs this Idempotency-Key created before"},
+        429: {"description": "the user's queued jobs and this batch would exceed the queued-jobs limit"},
+    },
+)
+async def submit_batch(
+    batch: JobBatchCreate,
+    request: Request,
+    response: Response,
+    platform: PlatformDep,
+    creds: BearerCredentials,
+    idempotency_key: BatchIdempotencyKeyHeader = None,
+) -> JobBatchRead:
+    """Up to 1,000 jobs in one request, all queued in the order sent, or none (a 422 names the first
+    job that cannot be accepted: `jobs.<i>.<field>`); one transaction and one scheduler wake-up
+    (issue 12: bursts from CI, sweeps, as Slurm's job arrays)."""
+    def work() -> submissions.SubmittedBatch:
+        with platform.sessions() as session:
+            user = user_in_thread(request, platform, creds, session)
+            return submissions.submit_batch(
+                session=session, batch=batch, user=user, limits=platform.settings.limits,
+                idempotency_key=idempotency_key,
+            )
+
+    done = await run_in_threadpool(work)
+    if done.replayed:
+        response.status_code = status.HTTP_200_OK
+    return JobBatchRead(jobs=done.jobs)
+
+
 @router.get("", response_model=JobList)
 def list_jobs(  # noqa: PLR0913
     session: SessionDep,
@@ -90,7 +137,8 @@ def list_jobs(  # noqa: PLR0913
                     media_type="application/json")
 
 
-@router.get("/{job_id}", response_model=JobRead)
+# ``:int``: /api/v1/jobs/batch is not a job id (a GET there is a 405, not a 422 of this route)
+@router.get("/{job_id:int}", response_model=JobRead)
 def get_job(job_id: int, session: SessionDep, user: CurrentUser) -> JobRead:
     return job_read(session=session, job=job_service.get_job(session=session, job_id=job_id, user=user))
 
@@ -121,8 +169,9 @@ async def logs(
     platform: PlatformDep,
     user: CurrentUser,
     follow: bool = False,
-    rank: Annotated[int | None, Query(ge=0)] = None,
-    attempt: Annotated[int | None, Query(ge=1)] = None,
+    # within the columns' range (a larger number is a 422, not a 500 from the driver)
+    rank: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+    attempt: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
     q: Annotated[str | None, Query(max_length=256, description="only lines containing this text")] = None,
     timestamps: bool = False,
 ):

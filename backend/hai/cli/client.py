@@ -14,6 +14,7 @@ import tenacity
 import typer
 
 from hai.domain.jobs import JobType, Priority
+from hai.schemas.jobs import MAX_BATCH_JOBS
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 
@@ -94,6 +95,13 @@ def submit(
     retry_s: Annotated[
         float, typer.Option(min=0, help="retry connection errors this long, with the same Idempotency-Key")
     ] = 60.0,
+    array: Annotated[
+        int | None,
+        typer.Option(min=1, max=MAX_BATCH_JOBS,
+                     help="submit N jobs like this one in one request (all or none), named NAME-0 .. NAME-<N-1>, "
+                     "each with HAI_ARRAY_INDEX (0 .. N-1) and HAI_ARRAY_SIZE (N) in its environment, as Slurm's "
+                     "--array; prints one id per line"),
+    ] = None,
 ) -> None:
     """Submit a job; prints its id. Lost connections are retried with the same Idempotency-Key,
     so a retry after a server crash returns the job already created, never a second one."""
@@ -112,6 +120,13 @@ def submit(
     if suspend_grace_s is not None:
         body["suspend_grace_s"] = suspend_grace_s
     headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+    if array is not None:
+        batch = [body | {"name": f"{body['name'][:120]}-{i}",
+                         "env": body["env"] | {"HAI_ARRAY_INDEX": str(i), "HAI_ARRAY_SIZE": str(array)}}
+                 for i in range(array)]
+        made = _call("POST", "/api/v1/jobs/batch", json={"jobs": batch}, headers=headers, retry_s=retry_s).json()
+        typer.echo(json.dumps(made["jobs"], indent=2) if as_json else "\n".join(str(j["id"]) for j in made["jobs"]))
+        return
     job = _call("POST", "/api/v1/jobs", json=body, headers=headers, retry_s=retry_s).json()
     typer.echo(json.dumps(job, indent=2) if as_json else str(job["id"]))
 

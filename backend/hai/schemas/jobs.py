@@ -69,6 +69,19 @@ class JobCreate(BaseModel):
         return v
 
 
+MAX_BATCH_JOBS = 1000
+
+
+class JobBatchCreate(BaseModel):
+    """Several jobs in one request (issue 12: CI submits in bursts, sweeps submit many alike, as
+    Slurm's job arrays do): all are queued, in order, or none is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: list[JobCreate] = Field(min_length=1, max_length=MAX_BATCH_JOBS,
+                                  description=f"the jobs, 1 to {MAX_BATCH_JOBS}; their ids follow this order")
+
+
 class PlacementRead(BaseModel):
     node: str
     zone: str
@@ -141,3 +154,8 @@ class JobList(BaseModel):
                        "exact when `total_exact`, else a lower bound (there are more than `total`)")
     total_exact: bool = Field(True, description="false when the count stopped at its cap (10,000 jobs, or the "
                               "page's depth) to stay cheap; ask `count=exact` for the exact figure")
+
+
+class JobBatchRead(BaseModel):
+    jobs: list[JobRead] = Field(description="the jobs created (or, for a replayed Idempotency-Key, created "
+                                "before), in the order they were sent")

@@ -64,6 +64,12 @@ def job_read(*, session: Session, job: Job) -> JobRead:
     return _read(job, _labels_for(session, [job]))
 
 
+def job_reads(*, session: Session, jobs: Sequence[Job]) -> list[JobRead]:
+    """Several jobs, their nodes' labels read once."""
+    labels = _labels_for(session, jobs)
+    return [_read(job, labels) for job in jobs]
+
+
 def submitted_read(row: Row) -> JobRead:
     """A job just written by ``jobs.submit_job`` (its row of every column): not placed, one
     event. Built from the row the INSERT returned, without reading anything back (issue 12)."""

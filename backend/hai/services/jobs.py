@@ -329,6 +329,72 @@ SEEN_KEY = select(_keys.c.job_id, _keys.c.request_hash).where(
     _keys.c.user_id == bindparam("user_id"), _keys.c.key == bindparam("key"))
 
 
+# -- several jobs in one request (issue 12) ------------------------------------------------
+_INSERT_JOBS = insert(_jobs).returning(*_jobs.c, sort_by_parameter_order=True)
+SEEN_KEYS = select(_keys.c.key, _keys.c.job_id, _keys.c.request_hash).where(
+    _keys.c.user_id == bindparam("user_id"), _keys.c.key.in_(bindparam("keys", expanding=True)))
+
+
+def batch_keys(key: str, n: int) -> list[str]:
+    """The idempotency rows of a batch of ``n`` jobs sent with ``key``: the first job's is the key
+    itself, each other's the key, a space and the job's position. A key a client sends never holds
+    a space (the header's pattern), so these never clash with a single submission's key; a single
+    submission that reuses a batch's key finds the first row and its other body (422)."""
+    return [key] + [f"{key} {i}" for i in range(1, n)]
+
+
+def submit_batch(
+    *, session: Session, specs: list[JobCreate], user: Principal, limit: int,
+    idempotency: tuple[str, str] | None = None,
+) -> list[Row] | list[KeySeen]:
+    """Several jobs, all queued in one transaction, in order, or none (issue 12: a burst from CI
+    or a sweep in one request, as Slurm's job arrays). The checks are a single submission's, for
+    every job: Invalid (-> 422, the field named ``jobs.<i>.<field>``) when no placement could ever
+    fit a job; TooMany (-> 429) when the user's queued jobs and the batch would exceed ``limit``.
+    The cluster's figures are read once per distinct GPUs-per-node of the batch, the user's queued
+    jobs once; the jobs, their 'submitted' events and (with ``idempotency``) their keys are each
+    one multi-row INSERT, then one commit and one wake-up of the scheduler. With ``idempotency``
+    (key, hash of the whole batch) a key sent before gives its jobs as KeySeen, in order
+    (nothing written)."""
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+    keys = batch_keys(idempotency[0], len(specs)) if idempotency is not None else []
+    if idempotency is not None:
+        seen = {r.key: r for r in session.execute(SEEN_KEYS, {"user_id": user.user_id, "keys": keys})}
+        if seen:
+            return [KeySeen(job_id=seen[k].job_id, request_hash=seen[k].request_hash) for k in keys if k in seen]
+    conn = session.connection()
+    figures: dict[int, Row] = {}
+    queued = 0
+    for i, spec in enumerate(specs):
+        row = figures.get(spec.gpus_per_node)
+        if row is None:
+            count_queued = bool(limit) and not figures  # the user's queued jobs: with the first aggregate
+            row = figures[spec.gpus_per_node] = conn.execute(
+                _ADMISSION[count_queued], {"gpus_per_node": spec.gpus_per_node, "user_id": user.user_id}).one()
+            if count_queued:
+                queued = int(row[3] or 0)
+        try:
+            _check_fit(session, spec, row[0], row[1], row[2])
+        except Invalid as exc:
+            raise Invalid(f"jobs.{i}.{exc.field}", f"job {i}: {exc.message}") from None
+    if limit and queued + len(specs) > limit:
+        raise TooMany(
+            f"you have {queued} queued job(s) and this batch adds {len(specs)}; a user may have at most {limit} "
+            f"(HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER); wait for some to start, cancel some or send fewer"
+        )
+    now = utcnow()
+    rows = conn.execute(_INSERT_JOBS, [_job_values(spec, user, now) for spec in specs]).all()
+    conn.execute(_INSERT_EVENT, [dict(job_id=r.id, at=now, from_state=None, to_state=JobState.QUEUED.value,
+                                      reason=SUBMITTED, epoch=None) for r in rows])
+    if idempotency is not None:
+        conn.execute(_INSERT_KEY, [dict(user_id=user.user_id, key=k, request_hash=idempotency[1], job_id=r.id,
+                                        created_at=now) for k, r in zip(keys, rows, strict=True)])
+    publish_after_commit(session, notify.SCHEDULER)
+    session.commit()
+    return rows
+
+
 def get_job(*, session: Session, job_id: int, user: Principal, for_update: bool = False) -> Job:
     stmt = select(Job).where(Job.id == job_id)
     if for_update:

@@ -9,16 +9,17 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job
-from hai.schemas.jobs import JobCreate, JobRead
+from hai.schemas.jobs import JobBatchCreate, JobCreate, JobRead
 from hai.services import jobs as job_service
 from hai.services.auth import Principal
 from hai.services.errors import Forbidden, Invalid
 from hai.services.faults import crash_point
-from hai.services.job_views import job_read, submitted_read
+from hai.services.job_views import job_read, job_reads, submitted_read
 from hai.settings import LimitsSettings
 
 
@@ -72,3 +73,55 @@ def submit(
         return _replayed(session, seen=row, digest=digest)
     crash_point("after_submit_commit")
     return Submitted(job=submitted_read(row), replayed=False)
+
+
+@dataclass(frozen=True)
+class SubmittedBatch:
+    jobs: list[JobRead]
+    replayed: bool  # True: the key was seen before; these are the jobs it created
+
+
+def batch_hash(batch: JobBatchCreate) -> str:
+    """The normalised batch (each job's defaults filled in, keys sorted): equal batches hash equal,
+    and never as a single job's body does (the list is wrapped in an object)."""
+    body = json.dumps({"jobs": [spec.model_dump(mode="json") for spec in batch.jobs]}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def submit_batch(
+    *, session: Session, batch: JobBatchCreate, user: Principal, limits: LimitsSettings,
+    idempotency_key: str | None = None,
+) -> SubmittedBatch:
+    """``POST /api/v1/jobs/batch``: ``jobs.submit_batch`` with the user's queued-jobs limit and the
+    ``Idempotency-Key`` replay (the key and the body of the whole batch)."""
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+    digest = batch_hash(batch) if idempotency_key is not None else ""
+    idem = (idempotency_key, digest) if idempotency_key is not None else None
+    try:
+        rows = job_service.submit_batch(session=session, specs=batch.jobs, user=user,
+                                        limit=limits.max_queued_jobs_per_user, idempotency=idem)
+    except IntegrityError:
+        # the same key committed by a concurrent request in between: answer with its jobs
+        session.rollback()
+        if idempotency_key is None:
+            raise
+        keys = job_service.batch_keys(idempotency_key, len(batch.jobs))
+        seen = {r.key: r for r in session.execute(job_service.SEEN_KEYS, {"user_id": user.user_id, "keys": keys})}
+        if not seen:
+            raise
+        rows = [job_service.KeySeen(job_id=seen[k].job_id, request_hash=seen[k].request_hash)
+                for k in keys if k in seen]
+    if rows and isinstance(rows[0], job_service.KeySeen):
+        if rows[0].request_hash != digest:
+            raise Invalid(
+                "Idempotency-Key",
+                f"this Idempotency-Key was used with another request body (job {rows[0].job_id}); use a new key "
+                "for new jobs",
+            )
+        found = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_([r.job_id for r in rows])))}
+        return SubmittedBatch(jobs=job_reads(session=session, jobs=[found[r.job_id] for r in rows if r.job_id in found]),
+                              replayed=True)
+    crash_point("after_submit_commit")
+    return SubmittedBatch(jobs=[submitted_read(row) for row in rows], replayed=False)

@@ -155,6 +155,28 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/api/v1/jobs/batch": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Submit Batch
+         * @description Up to 1,000 jobs in one request, all queued in the order sent, or none (a 422 names the first
+         *     job that cannot be accepted: `jobs.<i>.<field>`); one transaction and one scheduler wake-up
+         *     (issue 12: bursts from CI, sweeps, as Slurm's job arrays).
+         */
+        post: operations["submit_batch_api_v1_jobs_batch_post"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/api/v1/jobs/{job_id}": {
         parameters: {
             query?: never;
@@ -929,6 +951,26 @@ export interface components {
             node: string;
             /** User */
             user: string;
+        };
+        /**
+         * JobBatchCreate
+         * @description Several jobs in one request (issue 12: CI submits in bursts, sweeps submit many alike, as
+         *     Slurm's job arrays do): all are queued, in order, or none is.
+         */
+        JobBatchCreate: {
+            /**
+             * Jobs
+             * @description the jobs, 1 to 1000; their ids follow this order
+             */
+            jobs: components["schemas"]["JobCreate"][];
+        };
+        /** JobBatchRead */
+        JobBatchRead: {
+            /**
+             * Jobs
+             * @description the jobs created (or, for a replayed Idempotency-Key, created before), in the order they were sent
+             */
+            jobs: components["schemas"]["JobRead"][];
         };
         /** JobCreate */
         JobCreate: {
@@ -2563,6 +2605,112 @@ export interface operations {
                 };
             };
             /** @description the user's queued-jobs limit is reached */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+        };
+    };
+    submit_batch_api_v1_jobs_batch_post: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the jobs the first request created (200) instead of new ones; the same key with another body is a 422 */
+                "Idempotency-Key"?: string | null;
+            };
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["JobBatchCreate"];
+            };
+        };
+        responses: {
+            /** @description a replay: the jobs this Idempotency-Key created before */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobBatchRead"];
+                };
+            };
+            /** @description Successful Response */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["JobBatchRead"];
+                };
+            };
+            /** @description a credential in the query string (tokens go in the Authorization header only) */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description no token, or an invalid, revoked or expired one */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description the token is valid but may not do this */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description no such resource */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description the resource is not in a state that allows this */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description the request body is over HAI_LIMITS__MAX_BODY_BYTES */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorRead"];
+                };
+            };
+            /** @description Validation Error */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HTTPValidationError"];
+                };
+            };
+            /** @description the user's queued jobs and this batch would exceed the queued-jobs limit */
             429: {
                 headers: {
                     [name: string]: unknown;
