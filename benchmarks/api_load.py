@@ -125,8 +125,10 @@ class Procs:
 
 
 # -- load --------------------------------------------------------------------------------------
-def post_load(make_client, path: str, body: dict, n: int, in_flight: int, ok=(200, 201)) -> dict:  # noqa: ANN001
-    """``n`` POSTs of ``body`` with ``in_flight`` threads, each its own keep-alive client."""
+def post_load(make_client, path: str, body: dict, n: int, in_flight: int, ok=(200, 201),  # noqa: ANN001
+              per_request: int = 1) -> dict:
+    """``n`` POSTs of ``body`` with ``in_flight`` threads, each its own keep-alive client;
+    ``per_request``: the jobs each POST submits (a batch, a job array)."""
     lat: list[float] = []
     lock = threading.Lock()
     counter = iter(range(n))
@@ -159,7 +161,10 @@ def post_load(make_client, path: str, body: dict, n: int, in_flight: int, ok=(20
     wall = time.perf_counter() - t0
     out = summarise(lat, wall)
     out["failed"] = len(errors)  # counted in the latencies, not in jobs/s
-    out["jobs_per_s"] = round((len(lat) - len(errors)) / wall, 1)
+    out["jobs_per_s"] = round((len(lat) - len(errors)) * per_request / wall, 1)
+    if per_request > 1:
+        out["requests_per_s"] = round(len(lat) / wall, 1)
+        out["jobs_per_request"] = per_request
     if errors:
         out["first_error"] = errors[0]
     return out
@@ -375,7 +380,7 @@ def considered_after(client: httpx.Client, job_id: int, timeout: float = 300) ->
     return round(time.perf_counter() - t0, 2)
 
 
-def hai_case(kind: str, queued: int, n: int, profile: Path | None) -> dict:
+def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 0) -> dict:
     procs = Procs()
     out: dict = {"layout": kind, "queued_before": queued}
     with tempfile.TemporaryDirectory(prefix=f"hai-api-load-{kind}-") as tmp:
@@ -392,23 +397,32 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None) -> dict:
                 post_load(client, "/api/v1/jobs", BODY, 20, 1)  # warm-up: imports, caches, connections
                 with client() as c:  # the scheduler past its first cycles over the seeded queue
                     out["settled_s"] = considered_after(c, c.post("/api/v1/jobs", json=BODY).json()["id"])
-                for in_flight in (1, 8):
+                cases = [(c, 1) for c in (1, 8)] + ([(c, batch) for c in (1, 8)] if batch > 1 else [])
+                for in_flight, per in cases:
                     spies = []
                     if profile is not None:  # the server's workers (children of uvicorn's supervisor) too
                         targets = pids["server"] + [c for p in pids["server"] for c in children(p)] + pids["scheduler"]
-                        spies = profile_pids(targets, profile, procs, f"{kind}-q{queued}-c{in_flight}")
+                        spies = profile_pids(targets, profile, procs,
+                                             f"{kind}-q{queued}-c{in_flight}" + (f"-b{per}" if per > 1 else ""))
                     # the platform's CPU per submission (user + system, from /proc): less noisy than
                     # jobs/s on a shared VM; on SQLite the scheduler is a thread of the server process
                     serving = pids["server"] + [c for p in pids["server"] for c in children(p) if not is_agent(c)]
                     c0, s0 = cpu_s(serving), cpu_s(pids["scheduler"])
-                    out[f"in_flight_{in_flight}"] = r = post_load(client, "/api/v1/jobs", BODY, n, in_flight)
-                    r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / n, 2)
-                    r["scheduler_cpu_ms_per_job"] = round((cpu_s(pids["scheduler"]) - s0) * 1000 / n, 2)
+                    if per > 1:  # POST /api/v1/jobs/batch: n jobs in n / per requests of per jobs
+                        out[f"batch_{per}_in_flight_{in_flight}"] = r = post_load(
+                            client, "/api/v1/jobs/batch", {"jobs": [BODY] * per}, max(1, n // per), in_flight,
+                            per_request=per)
+                    else:
+                        out[f"in_flight_{in_flight}"] = r = post_load(client, "/api/v1/jobs", BODY, n, in_flight)
+                    jobs_sent = max(1, n // per) * per
+                    r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / jobs_sent, 2)
+                    r["scheduler_cpu_ms_per_job"] = round((cpu_s(pids["scheduler"]) - s0) * 1000 / jobs_sent, 2)
                     stop_profiles(spies)
                     with client() as c:  # does the scheduler keep up: its last job considered how late
                         last = c.get("/api/v1/jobs", params={"limit": 1, "user": "bench"}).json()["items"][0]["id"]
                         r["last_considered_after_s"] = considered_after(c, last)
-                    print(f"  {kind:10s} queued={queued:<6d} in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s "
+                    print(f"  {kind:10s} queued={queued:<6d} in_flight={in_flight}"
+                          f"{f' batch={per}' if per > 1 else ''}: {r['jobs_per_s']:7.1f} jobs/s "
                           f"p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  failed {r['failed']}"
                           f"  last job considered +{r['last_considered_after_s']:.2f} s"
                           f"  CPU/job: server {r['server_cpu_ms_per_job']} ms, scheduler {r['scheduler_cpu_ms_per_job']} ms"
@@ -454,7 +468,7 @@ def slurm_installed() -> bool:
     return all(shutil.which(x) for x in ("slurmctld", "slurmrestd", "sbatch", "munged", "mungekey"))
 
 
-def slurm_case(n: int, n_nodes: int = 1250) -> dict:
+def slurm_case(n: int, n_nodes: int = 1250, batch: int = 0) -> dict:
     procs = Procs()
     d = Path(tempfile.mkdtemp(prefix="hai-slurm-"))
     d.chmod(0o755)  # munged wants its socket's directory reachable
@@ -505,6 +519,29 @@ def slurm_case(n: int, n_nodes: int = 1250) -> dict:
                                                                      in_flight, ok=(200,))
             print(f"  slurm      slurmrestd in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s p50 "
                   f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
+        if batch > 1:
+            # job arrays: sbatch --array and slurmrestd's "array" field, ``batch`` tasks each (a held
+            # array is one job record in slurmctld until its tasks are split off to start)
+            lat = []
+            t0 = time.perf_counter()
+            for _ in range(max(1, n // batch)):
+                s = time.perf_counter()
+                subprocess.run(["sbatch", "--hold", f"--array=0-{batch - 1}", "-p", "batch", "-N1", "-n1",
+                                "--gres=gpu:1", "-o", "/dev/null", "--wrap", "sleep 3600"],
+                               env=env, check=True, capture_output=True, cwd=str(d))
+                lat.append(time.perf_counter() - s)
+            out[f"sbatch_array_{batch}"] = r = summarise(lat, time.perf_counter() - t0)
+            r["jobs_per_s"] = round(r["jobs_per_s"] * batch, 1)
+            r["jobs_per_request"] = batch
+            print(f"  slurm      sbatch --array 0-{batch - 1} (one submitter): {r['jobs_per_s']:7.1f} jobs/s p50 "
+                  f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
+            array = {"job": body["job"] | {"array": f"0-{batch - 1}"}, "script": body["script"]}
+            for in_flight in (1, 8):
+                out[f"slurmrestd_array_{batch}_in_flight_{in_flight}"] = r = post_load(
+                    client, "/slurm/v0.0.38/job/submit", array, max(1, n // batch), in_flight, ok=(200,),
+                    per_request=batch)
+                print(f"  slurm      slurmrestd array 0-{batch - 1} in_flight={in_flight}: {r['jobs_per_s']:7.1f} "
+                      f"jobs/s p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
     finally:
         procs.stop()
         shutil.rmtree(d, ignore_errors=True)
@@ -644,6 +681,9 @@ def main() -> None:
     ap.add_argument("--queued", type=int, nargs="+", default=[0, 10_000])
     ap.add_argument("--only", nargs="+", default=["postgresql", "sqlite", "slurm"],
                     choices=["postgresql", "sqlite", "slurm"])
+    ap.add_argument("--batch", type=int, default=0, help=(
+        "also submit the same number of jobs B at a time (POST /api/v1/jobs/batch; Slurm: job arrays of B "
+        "tasks by sbatch --array and slurmrestd) at 1 and 8 in flight"))
     ap.add_argument("--reads", action="store_true", help="also the read benchmark (100,000 jobs, 1,250 nodes)")
     ap.add_argument("--reads-only", action="store_true")
     ap.add_argument("--read-jobs", type=int, default=100_000)
@@ -661,10 +701,10 @@ def main() -> None:
     print(f"api_load: {args.jobs} submissions per case, {CORES} cores, load {loadavg()} (shared VM)", flush=True)
     if not args.reads_only:
         if "slurm" in args.only:
-            results["slurm"] = slurm_case(args.jobs) if slurm_installed() else None
+            results["slurm"] = slurm_case(args.jobs, batch=args.batch) if slurm_installed() else None
         for kind in ("postgresql", "sqlite"):
             if kind in args.only:
-                results[kind] = [hai_case(kind, q, args.jobs, args.profile) for q in args.queued]
+                results[kind] = [hai_case(kind, q, args.jobs, args.profile, args.batch) for q in args.queued]
         slurm = results.get("slurm")
         if slurm:
             ratios = {}
@@ -676,6 +716,18 @@ def main() -> None:
             results["ratio_to_slurmrestd"] = ratios
             for k, v in ratios.items():
                 print(f"  ratio to slurmrestd (same in-flight) {k}: {v:.2f}x")
+            if args.batch > 1:  # a batch of B against a Slurm job array of B tasks, same in-flight
+                b = args.batch
+                arrays = {}
+                for kind in ("postgresql", "sqlite"):
+                    for case in results.get(kind, []):
+                        for c in (1, 8):
+                            arrays[f"{kind}_q{case['queued_before']}_c{c}_batch{b}"] = round(
+                                case[f"batch_{b}_in_flight_{c}"]["jobs_per_s"]
+                                / slurm[f"slurmrestd_array_{b}_in_flight_{c}"]["jobs_per_s"], 2)
+                results["batch_ratio_to_slurmrestd_arrays"] = arrays
+                for k, v in arrays.items():
+                    print(f"  ratio to slurmrestd job arrays (same in-flight, {b} jobs a request) {k}: {v:.2f}x")
     if args.reads or args.reads_only:
         results["reads"] = reads_case(args.read_jobs, 1250, args.repeat, args.profile, args.churn)
     results["load_after"] = loadavg()

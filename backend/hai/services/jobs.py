@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Boolean, Integer, Row, and_, bindparam, case, func, insert, literal, null, or_, select, true
+from sqlalchemy import Boolean, Integer, Row, and_, bindparam, case, func, insert, literal, null, or_, select, text, true
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -335,6 +339,52 @@ SEEN_KEYS = select(_keys.c.key, _keys.c.job_id, _keys.c.request_hash).where(
     _keys.c.user_id == bindparam("user_id"), _keys.c.key.in_(bindparam("keys", expanding=True)))
 
 
+@functools.cache
+def _batch_pg():  # noqa: ANN202
+    """PostgreSQL: a batch's jobs and their events as one statement with one parameter, the jobs
+    as a JSON document (``json_to_recordset``, the types declared from the table). A multi-row
+    INSERT with a placeholder per value (SQLAlchemy's insertmanyvalues) was 2/3 of a 100-job
+    batch's CPU: psycopg parses a statement of more than 50 parameters anew each time (its
+    query cache stops there), ~20 ms per 100 jobs. The ids are drawn in the batch's order (the
+    rows sorted by position before ``nextval``), so the jobs read back by id are in that order."""
+    columns = list(_JOB_PARAMS) + [c.name for c in _DEFAULTED]
+    dialect = postgresql.dialect()
+    declared = ", ".join(f'"{c}" {_jobs.c[c].type.compile(dialect=dialect)}' for c in columns)
+    names = ", ".join(f'"{c}"' for c in columns)
+    return text(f"""
+WITH r AS (
+  SELECT * FROM json_to_recordset(CAST(:doc AS json)) AS r(pos int, {declared}) ORDER BY pos
+), j AS (
+  INSERT INTO jobs (id, {names})
+  SELECT nextval(pg_get_serial_sequence('jobs', 'id')), {names} FROM r
+  RETURNING *
+), e AS (
+  INSERT INTO job_events (job_id, at, from_state, to_state, reason)
+  SELECT id, created_at, NULL, '{JobState.QUEUED.value}', '{SUBMITTED}' FROM j
+)
+SELECT * FROM j ORDER BY id"""), columns
+
+
+def _batch_doc(specs: list[JobCreate], user: Principal, now: datetime, columns: list[str]) -> str:
+    defaults = {c.name: c.default.arg if c.default.is_scalar else c.default.arg(None) for c in _DEFAULTED}
+    rows = []
+    for pos, spec in enumerate(specs):
+        values = _job_values(spec, user, now) | defaults
+        rows.append({c: _json_value(values[c]) for c in columns} | {"pos": pos})
+    return json.dumps(rows, allow_nan=False)
+
+
+def _json_value(value: object) -> object:
+    """A job column's value as the JSON document carries it: times as ISO 8601 (with their zone),
+    a float that JSON cannot hold as the text PostgreSQL's float8 reads (json_to_recordset
+    parses a string into a float column)."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
 def batch_keys(key: str, n: int) -> list[str]:
     """The idempotency rows of a batch of ``n`` jobs sent with ``key``: the first job's is the key
     itself, each other's the key, a space and the job's position. A key a client sends never holds
@@ -384,9 +434,13 @@ def submit_batch(
             f"(HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER); wait for some to start, cancel some or send fewer"
         )
     now = utcnow()
-    rows = conn.execute(_INSERT_JOBS, [_job_values(spec, user, now) for spec in specs]).all()
-    conn.execute(_INSERT_EVENT, [dict(job_id=r.id, at=now, from_state=None, to_state=JobState.QUEUED.value,
-                                      reason=SUBMITTED, epoch=None) for r in rows])
+    if conn.dialect.name == "postgresql":
+        statement, columns = _batch_pg()
+        rows = conn.execute(statement, {"doc": _batch_doc(specs, user, now, columns)}).all()
+    else:
+        rows = conn.execute(_INSERT_JOBS, [_job_values(spec, user, now) for spec in specs]).all()
+        conn.execute(_INSERT_EVENT, [dict(job_id=r.id, at=now, from_state=None, to_state=JobState.QUEUED.value,
+                                          reason=SUBMITTED, epoch=None) for r in rows])
     if idempotency is not None:
         conn.execute(_INSERT_KEY, [dict(user_id=user.user_id, key=k, request_hash=idempotency[1], job_id=r.id,
                                         created_at=now) for k, r in zip(keys, rows, strict=True)])
