@@ -327,6 +327,11 @@ def pg_urls() -> tuple[str, str]:
     return url, os.environ.get("HAI_TEST_REDIS_URL", "")
 
 
+# the submitter's queued jobs stay counted against a limit (the check is part of every submission's
+# cost, as with the default 10,000), set above what a run with --batch queues (4 cases of --jobs)
+QUEUE_LIMIT = {"HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER": "1000000"}
+
+
 @contextmanager
 def production(work: Path, queued: int, workers: int, procs: Procs):
     url, redis_url = pg_urls()
@@ -335,7 +340,7 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
     token, agent_token, users = seed_users(settings)
     seed_jobs(url, users[1:], queued)  # other users' jobs: the submitter stays under its queue limit
     port = free_port()
-    env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work))
+    env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work), **QUEUE_LIMIT)
     server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(workers)], env=env,
                          log=work / "server.log")
     sched = procs.start(HAI + ["scheduler"], env=env, log=work / "scheduler.log")
@@ -355,7 +360,7 @@ def embedded(work: Path, queued: int, procs: Procs):
     token, _agent, users = seed_users(settings)
     seed_jobs(settings.database_url, users[1:], queued)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HAI_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HAI_")} | QUEUE_LIMIT
     dev = procs.start(HAI + ["dev", "--port", str(port), "--agents", "4", "--data-dir", str(work)], env=env,
                       log=work / "dev.log")
     base = f"http://127.0.0.1:{port}"

@@ -125,3 +125,16 @@ def test_only_users_submit_batches(api):
     assert _post(api, [_job("a")], token=api.agent).status_code == 403
     assert api.client.post("/api/v1/jobs/batch", json={"jobs": [_job("a")]}).status_code == 401
     assert _counts(api) == (0, 0, 0)
+
+
+def test_numbers_that_are_not_finite_are_refused(api):
+    """1e400 reads as infinity: a 422 on the field, for a batch and a single submission alike."""
+    api.register_node("n0")
+    body = '{"jobs": [{"name": "a", "command": ["x"], "gpus_per_node": 1, "max_runtime_s": 1e400}]}'
+    r = api.client.post("/api/v1/jobs/batch", content=body,
+                        headers=api.h(api.alice) | {"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "jobs", 0, "max_runtime_s"]
+    single = '{"name": "a", "command": ["x"], "gpus_per_node": 1, "suspend_grace_s": NaN}'
+    r = api.client.post("/api/v1/jobs", content=single, headers=api.h(api.alice) | {"Content-Type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "suspend_grace_s"]
+    assert _counts(api) == (0, 0, 0)

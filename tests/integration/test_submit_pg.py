@@ -246,3 +246,23 @@ def test_concurrent_batches_with_one_key_make_one_batch(make_api):
     assert sorted(codes) == [200] * 3 + [201], codes
     assert len(set(ids)) == 1 and len(ids[0]) == 20
     assert _counts(api) == (20, 20, 20)
+
+
+@pytest.mark.parametrize("make_api", ["postgresql"], indirect=True)  # SQLite: multi-row INSERTs
+def test_on_postgresql_a_batch_is_its_checks_and_one_statement(make_api):
+    """200 jobs of two sizes: the cluster's figures per size (the first with the user's queued
+    jobs), then the jobs and their events as one statement over a JSON document."""
+    api = make_api()
+    api.register_node("n0")
+    assert _post(api, BODY).status_code == 201  # the credential is now cached
+    seen: list[str] = []
+
+    @event.listens_for(api.platform.engine, "before_cursor_execute")
+    def _seen(_conn, _cursor, statement, _params, _context, _many):  # noqa: ANN001
+        seen.append(" ".join(statement.split()[:2]))
+
+    r = _batch(api, [BODY | {"name": f"j{i}", "gpus_per_node": 1 + i % 2} for i in range(200)])
+    event.remove(api.platform.engine, "before_cursor_execute", _seen)
+    assert r.status_code == 201, r.text
+    assert [s.split()[0] for s in seen] == ["SELECT", "SELECT", "WITH"], seen
+    assert _counts(api) == (201, 201, 0)

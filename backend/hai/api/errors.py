@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -26,7 +29,23 @@ def database_unavailable(exc: Exception) -> bool:
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
+def _json_safe(value: object) -> object:
+    """A validation error's echo of the input, with numbers JSON cannot hold (infinity, NaN: a body
+    may spell them 1e400 or NaN) as text: FastAPI's own 422 failed to encode them and answered 500."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _request_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+
     @app.exception_handler(DBAPIError)
     @app.exception_handler(PoolTimeout)
     async def _database_error(request: Request, exc: Exception) -> JSONResponse:

@@ -18,17 +18,24 @@ from hai.services.job_views import CountMode, job_list_json, job_read, list_jobs
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 
-IdempotencyKeyHeader = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        min_length=1,
-        max_length=255,
-        pattern=r"^[\x21-\x7e]+$",
-        description="a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
-        "job the first request created (200) instead of a second job; the same key with another body is a 422",
-    ),
-]
+def _idempotency_key(max_length: int, made: str) -> object:
+    """The ``Idempotency-Key`` header of a submission that creates ``made``; a key holds no space
+    (a batch's keys of its later jobs do: ``jobs.batch_keys``)."""
+    return Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            min_length=1,
+            max_length=max_length,
+            pattern=r"^[\x21-\x7e]+$",
+            description=f"a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
+            f"{made} the first request created (200) instead of new ones; the same key with another body is a 422",
+        ),
+    ]
+
+
+IdempotencyKeyHeader = _idempotency_key(255, "job")
+BatchIdempotencyKeyHeader = _idempotency_key(250, "jobs")  # room for the suffix of its later jobs' keys
 
 
 @router.post(
@@ -62,19 +69,6 @@ async def submit(
     if done.replayed:
         response.status_code = status.HTTP_200_OK
     return done.job
-
-
-BatchIdempotencyKeyHeader = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        min_length=1,
-        max_length=250,
-        pattern=r"^[\x21-\x7e]+$",
-        description="a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
-        "jobs the first request created (200) instead of new ones; the same key with another body is a 422",
-    ),
-]
 
 
 @router.post(

@@ -15,7 +15,9 @@ MAX_ENV_BYTES = 64 * 1024
 
 
 class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # a number that is not finite (1e400 reads as infinity) is refused: no job runs forever by a
+    # typo, and every database and JSON reply holds the values sent
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
 
     name: str = Field(min_length=1, max_length=128)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -375,14 +374,9 @@ def _batch_doc(specs: list[JobCreate], user: Principal, now: datetime, columns: 
 
 
 def _json_value(value: object) -> object:
-    """A job column's value as the JSON document carries it: times as ISO 8601 (with their zone),
-    a float that JSON cannot hold as the text PostgreSQL's float8 reads (json_to_recordset
-    parses a string into a float column)."""
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-    return value
+    """A job column's value as the JSON document carries it: times as ISO 8601, with their zone
+    (JobCreate refuses numbers that are not finite, which JSON could not carry)."""
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def batch_keys(key: str, n: int) -> list[str]:
@@ -402,8 +396,9 @@ def submit_batch(
     every job: Invalid (-> 422, the field named ``jobs.<i>.<field>``) when no placement could ever
     fit a job; TooMany (-> 429) when the user's queued jobs and the batch would exceed ``limit``.
     The cluster's figures are read once per distinct GPUs-per-node of the batch, the user's queued
-    jobs once; the jobs, their 'submitted' events and (with ``idempotency``) their keys are each
-    one multi-row INSERT, then one commit and one wake-up of the scheduler. With ``idempotency``
+    jobs once; the jobs and their 'submitted' events are one statement on PostgreSQL
+    (``_batch_pg``), two multi-row INSERTs on SQLite, (with ``idempotency``) their keys one more,
+    then one commit and one wake-up of the scheduler. With ``idempotency``
     (key, hash of the whole batch) a key sent before gives its jobs as KeySeen, in order
     (nothing written)."""
     if user.kind != "user" or user.user_id is None:

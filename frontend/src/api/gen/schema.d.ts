@@ -2511,7 +2511,7 @@ export interface operations {
         parameters: {
             query?: never;
             header?: {
-                /** @description a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the job the first request created (200) instead of a second job; the same key with another body is a 422 */
+                /** @description a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the job the first request created (200) instead of new ones; the same key with another body is a 422 */
                 "Idempotency-Key"?: string | null;
             };
             path?: never;
