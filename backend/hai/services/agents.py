@@ -604,9 +604,9 @@ def write_liveness(*, session: Session, beats: dict[str, _Beat], settings: Setti
     commits. Returns the rows written.
 
     PostgreSQL: the batch as one JSON document in one statement (``json_to_recordset``), the GPU
-    figures serialised by pydantic in one call per node; SQLite: executemany. The executemany cost 53 us of the API's CPU
-    per node on PostgreSQL (625 nodes: 33 ms a second per worker at 1,250 agents; psycopg dumping
-    every row's parameters, ``model_dump`` and ``json.dumps`` of eight GPUs)."""
+    figures serialised by pydantic in one call per node; SQLite: executemany. The executemany cost
+    53 us of the API's CPU per node on PostgreSQL (625 nodes: 33 ms a second per worker at 1,250
+    agents; psycopg dumping every row's parameters, ``model_dump`` and ``json.dumps`` of eight GPUs)."""
     if not beats:
         return 0
     if session.get_bind().dialect.name == "postgresql":

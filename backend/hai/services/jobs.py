@@ -177,6 +177,11 @@ _JOB_PARAMS = ("name", "user_id", "user_name", "group", "command", "env", "tags"
 _DEFAULTED = [c for c in _jobs.c if c.name not in _JOB_PARAMS and c.default is not None]
 
 
+def _defaulted_values() -> dict:
+    """The ``_DEFAULTED`` columns' Python-side defaults, as statements that write them name them."""
+    return {c.name: c.default.arg if c.default.is_scalar else c.default.arg(None) for c in _DEFAULTED}
+
+
 def _job_values(spec: JobCreate, user: Principal, now: datetime) -> dict:
     return dict(
         name=spec.name, user_id=user.user_id, user_name=user.name, group=user.group,
@@ -283,7 +288,7 @@ def submit_admitted(
     conn = session.connection(execution_options=options)
     now = utcnow()
     params = _job_values(spec, user, now)
-    params.update((c.name, c.default.arg if c.default.is_scalar else c.default.arg(None)) for c in _DEFAULTED)
+    params.update(_defaulted_values())
     params.update(multi_node=spec.nodes > 1, limit=limit)
     if idempotency is not None:
         params["key"], params["request_hash"] = idempotency
@@ -334,7 +339,7 @@ SEEN_KEY = select(_keys.c.job_id, _keys.c.request_hash).where(
 
 # -- several jobs in one request (issue 12) ------------------------------------------------
 _INSERT_JOBS = insert(_jobs).returning(*_jobs.c, sort_by_parameter_order=True)
-SEEN_KEYS = select(_keys.c.key, _keys.c.job_id, _keys.c.request_hash).where(
+_SEEN_KEYS = select(_keys.c.key, _keys.c.job_id, _keys.c.request_hash).where(
     _keys.c.user_id == bindparam("user_id"), _keys.c.key.in_(bindparam("keys", expanding=True)))
 
 
@@ -365,7 +370,7 @@ SELECT * FROM j ORDER BY id"""), columns
 
 
 def _batch_doc(specs: list[JobCreate], user: Principal, now: datetime, columns: list[str]) -> str:
-    defaults = {c.name: c.default.arg if c.default.is_scalar else c.default.arg(None) for c in _DEFAULTED}
+    defaults = _defaulted_values()
     rows = []
     for pos, spec in enumerate(specs):
         values = _job_values(spec, user, now) | defaults
@@ -387,6 +392,13 @@ def batch_keys(key: str, n: int) -> list[str]:
     return [key] + [f"{key} {i}" for i in range(1, n)]
 
 
+def seen_batch(session: Session, *, user_id: int, keys: list[str]) -> list[KeySeen]:
+    """The jobs a batch sent before with these keys (``batch_keys``) created, in the batch's order;
+    empty if the key is new."""
+    seen = {r.key: r for r in session.execute(_SEEN_KEYS, {"user_id": user_id, "keys": keys})}
+    return [KeySeen(job_id=seen[k].job_id, request_hash=seen[k].request_hash) for k in keys if k in seen]
+
+
 def submit_batch(
     *, session: Session, specs: list[JobCreate], user: Principal, limit: int,
     idempotency: tuple[str, str] | None = None,
@@ -405,9 +417,9 @@ def submit_batch(
         raise Forbidden("only users can submit jobs")
     keys = batch_keys(idempotency[0], len(specs)) if idempotency is not None else []
     if idempotency is not None:
-        seen = {r.key: r for r in session.execute(SEEN_KEYS, {"user_id": user.user_id, "keys": keys})}
+        seen = seen_batch(session, user_id=user.user_id, keys=keys)
         if seen:
-            return [KeySeen(job_id=seen[k].job_id, request_hash=seen[k].request_hash) for k in keys if k in seen]
+            return seen
     conn = session.connection()
     figures: dict[int, Row] = {}
     queued = 0

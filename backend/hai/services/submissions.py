@@ -107,12 +107,10 @@ def submit_batch(
         session.rollback()
         if idempotency_key is None:
             raise
-        keys = job_service.batch_keys(idempotency_key, len(batch.jobs))
-        seen = {r.key: r for r in session.execute(job_service.SEEN_KEYS, {"user_id": user.user_id, "keys": keys})}
-        if not seen:
+        rows = job_service.seen_batch(session, user_id=user.user_id,
+                                      keys=job_service.batch_keys(idempotency_key, len(batch.jobs)))
+        if not rows:
             raise
-        rows = [job_service.KeySeen(job_id=seen[k].job_id, request_hash=seen[k].request_hash)
-                for k in keys if k in seen]
     if rows and isinstance(rows[0], job_service.KeySeen):
         if rows[0].request_hash != digest:
             raise Invalid(
