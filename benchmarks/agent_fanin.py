@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 import httpx
@@ -66,6 +67,12 @@ def pct(values: list[float], p: float) -> float:
 
 
 class SimAgent:
+    """One simulated agent. ``protocol`` 2 (the default, as ``hai agent``): the agent runs its
+    periodic quick rounds itself by the reply's ``quick_every_heartbeats`` (``Agent._count_round``'s
+    rule) and reports each without a run id until a reply to a heartbeat that carried it came;
+    1: the server asks for each round in a reply."""
+
+    protocol = 2
     """One node's agent: what it holds (from the last reply) and what it reports."""
 
     def __init__(self, i: int, zones: int = 2) -> None:
@@ -77,12 +84,16 @@ class SimAgent:
         self.assignments: list[dict] = []
         self.started: dict[tuple[int, int], float] = {}
         self.validations: dict[int, dict] = {}  # run id -> finished report (repeated until unlisted)
+        self.own: dict[float, dict] = {}  # own rounds' reports by their start (protocol 2)
+        self.sent_own: list[float] = []  # the own reports the heartbeat in flight carries
+        self.since_round: int | None = None
+        self.own_rounds = 0
         self.reregisters = 0
         self.client: httpx.AsyncClient | None = None
 
     def hello(self) -> dict:
         return {
-            "protocol_version": 1, "node": self.name, "zone": self.zone, "leaf": self.leaf, "address": "127.0.0.1",
+            "protocol_version": self.protocol, "node": self.name, "zone": self.zone, "leaf": self.leaf, "address": "127.0.0.1",
             "gpus": [{"index": g, "uuid": f"GPU-{self.name}-{g}", "model": "NVIDIA A100-PCIE-40GB",
                       "memory_total_mib": 40960, "numa_node": g // 4} for g in range(GPUS)],
             "nics": [{"name": "mlx5_0", "numa_node": 0}], "fake_gpus": True, "agent_version": "fanin-sim",
@@ -116,10 +127,36 @@ class SimAgent:
         return out
 
     def heartbeat(self) -> dict:
-        return {"protocol_version": 1, "node": self.name, "gpus": self.metrics(), "attempts": self.attempts(),
-                "assignments_digest": self.digest, "validations": list(self.validations.values())}
+        self.sent_own = list(self.own)
+        return {"protocol_version": self.protocol, "node": self.name, "gpus": self.metrics(),
+                "attempts": self.attempts(), "assignments_digest": self.digest,
+                "validations": list(self.validations.values()) + list(self.own.values())}
+
+    def _count_round(self, reply: dict, carried: bool) -> None:
+        every = reply.get("quick_every_heartbeats") or 0
+        if every <= 0 or carried:
+            return
+        if self.since_round is None:
+            self.since_round = -(zlib.crc32(self.name.encode()) % every)
+        if reply.get("validations"):
+            return
+        self.since_round += 1
+        if self.since_round >= every:  # the round runs at once (fake GPUs) and goes in the next heartbeat
+            self.since_round = 0
+            self.own_rounds += 1
+            now = time.time()
+            self.own[now] = {"run_id": None, "level": "quick", "started_at": now, "finished_at": now,
+                             "checks": [{"name": "gpu_inventory", "level": "quick", "critical": True,
+                                         "status": "passed", "value": GPUS, "threshold": GPUS,
+                                         "detail": f"{GPUS} GPUs as registered"}]}
 
     def apply(self, reply: dict) -> None:
+        carried = bool(self.sent_own) or bool(self.validations)
+        for started in self.sent_own:  # a reply came: the server has them
+            self.own.pop(started, None)
+        self.sent_own = []
+        if not reply.get("reregister"):
+            self._count_round(reply, carried)
         self.assignments = reply.get("assignments") or []
         self.digest = reply.get("assignments_digest")
         keys = {(a["job_id"], a["attempt"]) for a in self.assignments}
@@ -309,6 +346,7 @@ async def run(args) -> dict:  # noqa: ANN001, C901
                 raise SystemExit("the server did not start:\n" + (tmp / "server.log").read_text()[-3000:])
             time.sleep(0.5)
 
+        SimAgent.protocol = args.protocol
         agents = [SimAgent(i) for i in range(args.agents)]
         stats = Stats()
         # httpcore's pool matches every queued request against every connection: one pool of
@@ -468,11 +506,20 @@ async def run(args) -> dict:  # noqa: ANN001, C901
                 with eng.connect() as c:
                     return dict(c.execute(text("select state, count(*) from nodes group by state")).all())
 
+            def runs() -> dict:  # the quick rounds stored (those of the last second may still be in a batch)
+                with eng.connect() as c:
+                    return {f"{by or 'server'}:{trigger}:{status}": n for by, trigger, status, n in c.execute(text(
+                        "select case when requested_by = 'agent' then 'agent' else 'server' end, trigger, status,"
+                        " count(*) from validation_runs group by 1, 2, 3")).all()}
+
             node_states = await asyncio.to_thread(states)
+            validation_runs = await asyncio.to_thread(runs)
             eng.dispose()
         cpu = {k: round((c1[k] - c0[k]) / elapsed, 3) for k in c0}
         result.update({
             "agents": args.agents, "gpus_per_agent": GPUS, "interval_s": args.interval_s,
+            "protocol": args.protocol, "own_quick_rounds": sum(a.own_rounds for a in agents),
+            "validation_runs": validation_runs,
             "server_workers": args.workers, "client": args.client, "agents_per_client": args.agents_per_client, "cpu_count": os.cpu_count(), "measured_s": round(elapsed, 1),
             "heartbeats": stats.sent, "heartbeats_per_s": round(stats.sent / elapsed, 1),
             "expected_per_s": round(args.agents / args.interval_s, 1),
@@ -548,6 +595,9 @@ def main() -> None:
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server and scheduler")
     ap.add_argument("--py-spy", default="", help="folder: profile each server worker over the window")
     ap.add_argument("--py-spy-gil", action="store_true", help="with --py-spy: sample only the thread holding the GIL")
+    ap.add_argument("--protocol", type=int, choices=(1, 2), default=2,
+                    help="agent protocol version: 2 runs the periodic quick rounds in the agents (as hai agent), "
+                         "1 has the server ask for each")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.client == "raw":

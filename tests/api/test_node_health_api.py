@@ -32,8 +32,11 @@ def cycle(api):
         return run_cycle(s, settings=api.platform.settings)
 
 
-def heartbeat(api, node: str, attempts=(), validations=(), digest: str | None = None) -> dict:
-    hb = Heartbeat(node=node, attempts=list(attempts), validations=list(validations), assignments_digest=digest)
+def heartbeat(api, node: str, attempts=(), validations=(), digest: str | None = None, version: int = 1) -> dict:
+    """A heartbeat of protocol ``version`` (1 by default: the server asks for the periodic rounds;
+    tests/api/test_own_quick_rounds.py has version 2's)."""
+    hb = Heartbeat(node=node, attempts=list(attempts), validations=list(validations), assignments_digest=digest,
+                   protocol_version=version)
     r = api.client.post("/api/v1/agent/heartbeat", json=hb.model_dump(mode="json"), headers=api.h(api.agent))
     assert r.status_code == 200, r.text
     return r.json()

@@ -138,8 +138,17 @@ def test_admin_drain_moves_the_job_at_its_checkpoint_and_leaves_the_node_drained
     assert out.returncode == 0, out.stderr
     n = _node(stack, node)
     assert n["state"] == "ready" and "validation run" in n["events"][-1]["reason"]
-    assert n["latest_validation"]["trigger"] == "undrain" and n["latest_validation"]["status"] == "passed"
-    assert {c["name"] for c in n["latest_validation"]["checks"]} >= {"gpu_xid", "gemm_tflops", "gpu_memtest"}
+    with stack.client() as c:
+        runs = c.get(f"/api/v1/nodes/{node}/validations").json()  # newest first
+    # (the agent's own quick rounds, every heartbeat here, may already have come after it)
+    undrain = next(r for r in runs if r["trigger"] == "undrain")
+    assert undrain["status"] == "passed" and undrain["requested_by"].startswith("admin:")
+    assert {c["name"] for c in undrain["checks"]} >= {"gpu_xid", "gemm_tflops", "gpu_memtest"}
+    # issue 12 (protocol version 2): the agent ran its periodic quick rounds itself; each is a run
+    own = [r for r in runs if r["requested_by"] == "agent"]
+    assert own and all(r["trigger"] == "periodic" and r["level"] == "quick" and r["status"] == "passed"
+                       and r["started_at"] and {c["name"] for c in r["checks"]} >= {"gpu_inventory", "gpu_xid"}
+                       for r in own), own
 
 
 def test_an_xid_79_makes_the_node_unhealthy_and_its_job_resumes_elsewhere(health_stack, tmp_path):
@@ -176,7 +185,18 @@ def test_an_xid_79_makes_the_node_unhealthy_and_its_job_resumes_elsewhere(health
         assert _node(stack, "faulty")["state"] == "unhealthy"
         assert stack.cli("nodes", "undrain", "faulty", "--force").returncode == 0
         n = _node(stack, "faulty")
-        assert n["state"] == "ready" and "forced" in n["events"][-1]["reason"]
+        forced = [e for e in n["events"] if e["to_state"] == "ready" and "forced" in e["reason"]]
+        assert len(forced) == 1 and forced[0]["from_state"] == "unhealthy"
+        # the Xid stays in the kernel log: the agent's next own quick round (every heartbeat here)
+        # finds it again and the node is out of service once more
+        seen = len(n["events"])
+        n = wait_for(lambda: (x := _node(stack, "faulty"))["state"] == "unhealthy" and len(x["events"]) > seen and x,
+                     timeout=60, what="the next quick round to find the Xid")
+        assert "gpu_xid" in n["state_reason"]
+        run_id = n["events"][-1]["detail"]["run_id"]
+        with stack.client() as c:
+            run = c.get(f"/api/v1/validations/{run_id}").json()
+        assert (run["trigger"], run["requested_by"], run["status"]) == ("periodic", "agent", "failed")
     finally:
         _stop(agent)
 

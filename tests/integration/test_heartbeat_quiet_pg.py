@@ -99,7 +99,7 @@ def drive(p: Platform, jobs: dict, rounds: int = 12) -> tuple[list[dict], list[t
             # the slow node runs its validators for three heartbeats (its replies list the run meanwhile)
             answer = asked.pop(n, []) if n != slow or r % 3 == 2 else []
             kind = "pass" if r < 9 else {one_node: "xid", late_node: "fail"}.get(n, "pass")
-            hb = Heartbeat(node=n, attempts=attempts, assignments_digest=digests.get(n),
+            hb = Heartbeat(node=n, attempts=attempts, assignments_digest=digests.get(n), protocol_version=1,
                            validations=[passed(v, kind) for v in answer],
                            gpus=[GpuMetrics(index=0, uuid=f"GPU-{n}-0", util_pct=float(r))])
             before = len(paths)

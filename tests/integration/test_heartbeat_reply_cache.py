@@ -254,6 +254,53 @@ def test_the_quick_round_comes_on_the_same_heartbeat_as_without_the_cache(replic
             assert s.get(ValidationRun, run["run_id"]).status == "passed"
 
 
+def test_an_agents_own_passed_round_is_answered_from_the_cache_and_written_with_the_liveness(replicas):
+    """Protocol version 2 (issue 12): the agent runs its periodic quick rounds itself; the
+    heartbeat that reports one that passed is answered from the cache (no full pass: the round
+    costs the server none) and the run is written by the next batch, once however often the
+    report is sent (the unique index of migration 0017, ``ON CONFLICT DO NOTHING``); a failed
+    round takes a full pass and acts on the node."""
+    every = 4
+    api_platform, other = replicas(2, validation={"quick_every_heartbeats": every}, agent={"liveness_flush_s": 3600})
+    agent_token, alice = _setup(api_platform, other)
+    app = create_app(api_platform)
+    with TestClient(app) as client:
+        n = _SteadyNode(api_platform, other, client, agent_token, alice)
+        cache = app.state.reply_cache
+        counted = n.row().heartbeats_since_quick
+        replies = [n.beat(version=2) for _ in range(3 * every)]  # the first is a full pass (another version)
+        assert {r["quick_every_heartbeats"] for r in replies} == {every}
+        assert all(r["validations"] == [] for r in replies)  # the server asks for no round
+        cache.flush()
+        assert n.row().heartbeats_since_quick == counted  # nor counts the heartbeats
+        checks = [{"name": "gpu_inventory", "level": "quick", "critical": True, "status": "passed",
+                   "value": 1, "threshold": 1, "detail": "1 GPU as registered"}]
+        report = {"run_id": None, "level": "quick", "started_at": 1.7e9, "finished_at": 1.7e9 + 0.4, "checks": checks}
+        hits, full = cache.hits, dict(cache.full_passes)
+        assert n.beat(version=2, validations=[report])["validations"] == []
+        assert n.beat(version=2, validations=[report])["validations"] == []  # the reply was lost: sent again
+        assert cache.hits == hits + 2 and cache.full_passes == full
+
+        def own_runs():  # noqa: ANN202
+            with other.sessions() as s:
+                return [(r.trigger, r.requested_by, r.status, r.started_at.timestamp(), len(r.checks))
+                        for r in s.scalars(select(ValidationRun).where(ValidationRun.node_name == n.node))]
+
+        assert own_runs() == []  # written behind the answer
+        cache.flush()
+        assert own_runs() == [("periodic", "agent", "passed", 1.7e9, 1)]
+        n.beat(version=2, validations=[report])  # and once more after it was written
+        cache.flush()
+        assert own_runs() == [("periodic", "agent", "passed", 1.7e9, 1)]
+        assert cache.full_passes == full
+        # a failed round: a full pass, the node out of service, its job moved
+        failed = dict(report, started_at=1.7e9 + 30, checks=[dict(checks[0], status="failed", value=0)])
+        n.beat(version=2, validations=[failed])
+        assert cache.full_passes.get("report", 0) == full.get("report", 0) + 1
+        assert n.row().state == "unhealthy"
+        assert [r[:3] for r in own_runs()] == [("periodic", "agent", "passed"), ("periodic", "agent", "failed")]
+
+
 def test_an_unsupported_protocol_version_is_refused_even_with_a_cached_reply(two):
     api_platform, other = two
     agent_token, alice = _setup(api_platform, other)
@@ -294,7 +341,7 @@ def test_a_steady_heartbeat_is_answered_before_routing_and_everything_else_reach
         cache = app.state.reply_cache
         answered, hits = early.answered, cache.hits
         r = client.post("/api/v1/agent/heartbeat", headers=n.h, json=Heartbeat(
-            node=n.node, assignments_digest=n.digest, gpus=[GpuMetrics(index=0, uuid="G0", util_pct=61.0)],
+            node=n.node, assignments_digest=n.digest, protocol_version=1, gpus=[GpuMetrics(index=0, uuid="G0", util_pct=61.0)],
             attempts=[AttemptStatus(job_id=n.job_id, attempt=1, ranks=[RankStatus(rank=0, local_rank=0, pid=7)])],
         ).model_dump(mode="json"))
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
@@ -303,7 +350,7 @@ def test_a_steady_heartbeat_is_answered_before_routing_and_everything_else_reach
         assert cache.pending() == 1 and cache.flush() == 1
         assert n.row().gpu_metrics[0]["util_pct"] == 61.0  # its liveness and figures noted as the route's
 
-        body = Heartbeat(node=n.node, assignments_digest=n.digest,
+        body = Heartbeat(node=n.node, assignments_digest=n.digest, protocol_version=1,
                          attempts=[AttemptStatus(job_id=n.job_id, attempt=1,
                                                  ranks=[RankStatus(rank=0, local_rank=0, pid=7)])]).model_dump(mode="json")
         answered = early.answered

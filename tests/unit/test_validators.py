@@ -310,10 +310,52 @@ def test_the_runner_runs_each_run_once_and_keeps_reports_until_acknowledged(tmp_
     assert rep.run_id == 7 and {c.name for c in rep.checks} == {c.name for c in checks_for("quick")}
     v.submit([req])
     assert v.runs == 1
-    v.acknowledge([7], [req])  # still listed: not delivered yet
+    v.acknowledge([rep], [req])  # still listed: not delivered yet
     assert [r.run_id for r in v.reports()] == [7]
-    v.acknowledge([7], [])
+    v.acknowledge([rep], [])
     assert v.reports() == [] and v.runs == 1
+
+
+def wait_until(cond, timeout: float = 30.0) -> bool:  # noqa: ANN001 - polls the runner's state
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_the_runner_runs_own_rounds_one_at_a_time_and_drops_each_once_a_reply_came(tmp_path):
+    """Issue 12 (protocol version 2): a periodic quick round of the agent's own has no run id; it
+    does not start while a run is under way; its report goes in every heartbeat until a reply to
+    one that carried it came, whatever that reply lists."""
+    done = threading.Event()
+    gate = threading.Event()
+    v = Validator(ctx_for(tmp_path), on_done=done.set)
+    real = v.ctx.probe.kernel_lines
+
+    def held():  # noqa: ANN202 - the first round waits here until the test lets it go
+        gate.wait(10)
+        return real()
+
+    v.ctx.probe.kernel_lines = held
+    assert v.own_round([])
+    assert v.busy() and not v.own_round([])  # one at a time
+    v.submit([ValidationRequest(run_id=9, level="quick")])  # a requested run queues behind it
+    gate.set()
+    assert wait_until(lambda: v.runs == 2 and not v.busy())
+    reports = v.reports()
+    assert [r.run_id for r in reports] == [9, None]
+    own = reports[1]
+    assert own.level == "quick" and own.started_at <= own.finished_at
+    assert {c.name for c in own.checks} == {c.name for c in checks_for("quick")}
+    v.acknowledge([own], [ValidationRequest(run_id=9, level="quick")])  # the reply still lists 9
+    assert [r.run_id for r in v.reports()] == [9]
+    assert v.own_round([]) and wait_until(lambda: v.runs == 3 and not v.busy())
+    later = [r for r in v.reports() if r.run_id is None]
+    assert len(later) == 1 and later[0].started_at > own.started_at
+    v.acknowledge([], [])  # a reply to a heartbeat that did not carry it: kept
+    assert len(v.reports()) == 2
 
 
 def test_the_runner_checks_against_the_servers_inventory(tmp_path):

@@ -19,6 +19,7 @@ changed). Server unreachable: the jobs keep running; retries back off exponentia
 from __future__ import annotations
 
 import itertools
+import zlib
 import logging
 import os
 import random
@@ -92,7 +93,7 @@ class _Result:
     sent_mono: float
     statuses: list[AttemptStatus]
     reply: ServerReply | None = None
-    validation_ids: list[int] = field(default_factory=list)  # issue 10: reports this request carried
+    validations: list = field(default_factory=list)  # issue 10: the reports (ValidationReport) this request carried
     error: Exception | None = None
 
 
@@ -198,6 +199,10 @@ class Agent:
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self.last_applied_seq = -1
+        # issue 12 (protocol version 2): heartbeats towards the next own quick round; None until a
+        # reply gives the period (the first round then comes 0 to every - 1 heartbeats later than
+        # the period, by the node's name, as the server spreads the rounds of version 1)
+        self._since_round: int | None = None
         self.digest: str | None = None
         self.interval_s = 1.0
         self.registered = False
@@ -235,7 +240,7 @@ class Agent:
                 res.reply = client.register(self._hello(statuses))
             else:
                 reports = self.validator.reports()  # issue 10
-                res.validation_ids = [r.run_id for r in reports]
+                res.validations = reports
                 hb = Heartbeat(node=self.node_name, gpus=self.node.gpu_metrics(), attempts=statuses,
                                wait_s=wait_s, assignments_digest=self.digest, validations=reports)
                 res.reply = client.heartbeat(hb)
@@ -273,11 +278,27 @@ class Agent:
             log.error("could not apply the server's reply: %s", e)
             return None
 
+    def _count_round(self, res: _Result, reply: ServerReply) -> None:
+        """The server's rule for periodic quick rounds (``node_health.on_heartbeat``), kept by the
+        agent from protocol version 2: every ``quick_every_heartbeats`` answered heartbeats that
+        delivered no results, counted only while no run is under way; the round starts then."""
+        every = reply.quick_every_heartbeats
+        if every <= 0 or res.validations:
+            return
+        if self._since_round is None:
+            self._since_round = -(zlib.crc32(self.node_name.encode()) % every)
+        if self.validator.busy() or reply.validations:
+            return
+        self._since_round += 1
+        if self._since_round >= every and self.validator.own_round(self.node.gpu_inventory):
+            self._since_round = 0
+
     def _apply_reply(self, res: _Result, reply: ServerReply) -> float | None:
         self.node.mark_reported(res.statuses)
         if not reply.reregister:  # issue 10: delivered reports, new validation runs
-            self.validator.acknowledge(res.validation_ids, reply.validations)
+            self.validator.acknowledge(res.validations, reply.validations)
             self.validator.submit(reply.validations)
+            self._count_round(res, reply)
         if reply.reregister:
             log.info("the server asks this node to register again")
             self.registered = False

@@ -8,14 +8,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hai.protocol.vocab import DesiredAction, StopCause
 
-PROTOCOL_VERSION = 1
+# 2 (issue 12): the agent runs the periodic quick validation rounds itself, every
+# ``ServerReply.quick_every_heartbeats`` heartbeats, and reports them without a run id
+# (``ValidationReport.run_id`` None); with 1 the server asks for each round in a reply
+PROTOCOL_VERSION = 2
 # The server accepts agents speaking any of these versions.
-SUPPORTED_VERSIONS = frozenset({1})
+SUPPORTED_VERSIONS = frozenset({1, 2})
+# the first version whose agents run their own periodic quick rounds
+AGENT_ROUNDS_VERSION = 2
 # any integer parses (so the server can answer an unknown version with a 426 that says which it
 # speaks); the schema lists the versions that are accepted
 _VERSION_FIELD = Field(default=PROTOCOL_VERSION, json_schema_extra={"enum": sorted(SUPPORTED_VERSIONS)})
 
 __all__ = [
+    "AGENT_ROUNDS_VERSION",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "DesiredAction",
@@ -245,6 +251,10 @@ class ServerReply(_Msg):
     # agent has been silent this long; the agent fences itself before that (its ranks stop once
     # it has not reached the server for most of this time), so no job runs twice.
     lost_after_s: float | None = None
+    # issue 12 (version 2; older agents ignore it): run a quick validation round every this many
+    # heartbeats, while no other run is under way, and report it without a run id; 0: the
+    # server asks for rounds itself (version 1) or wants none from this node now
+    quick_every_heartbeats: int = Field(default=0, ge=0)
 
 
 class LogLine(_Msg):

@@ -1,4 +1,5 @@
-"""Validator messages: the server asks for a run in its reply, the agent answers in a heartbeat.
+"""Validator messages: the server asks for a run in its reply, the agent answers in a heartbeat
+(and, from protocol version 2, reports the periodic quick rounds it runs on its own).
 
 Replay-safe like the rest of the protocol: the server lists every run it still waits for in each
 reply (the agent runs each id once and remembers it); the agent repeats a finished report in each
@@ -44,8 +45,18 @@ class CheckResult(_Msg):
 
 
 class ValidationReport(_Msg):
-    run_id: int
+    # None (protocol version 2): a periodic quick round the agent ran on its own
+    # (``ServerReply.quick_every_heartbeats``); the server keeps it as a run of trigger
+    # ``periodic``, once per node and ``started_at`` (a report sent again is not stored twice),
+    # and the agent drops it once a reply to a heartbeat that carried it arrives
+    run_id: int | None = None
     level: Level
     started_at: float
     finished_at: float
     checks: list[CheckResult] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _own_rounds_are_quick(self) -> "ValidationReport":
+        if self.run_id is None and self.level != "quick":
+            raise ValueError("a report without a run id is an agent's own periodic round: level quick")
+        return self

@@ -31,7 +31,7 @@ from hai.db.models import Job, JobAllocation, Node, ValidationCheck, ValidationR
 from hai.domain.jobs import JobState
 from hai.domain.nodes import NodeState
 from hai.protocol import (SUPPORTED_VERSIONS, AgentHello, Assignment, AttemptStatus, DesiredAction, GpuInfo, GpuMetrics,
-                          Heartbeat, ServerReply, ValidationRequest)
+                          Heartbeat, ServerReply, ValidationReport, ValidationRequest)
 from hai.services import metrics_store, node_health, notify, reports
 from hai.services.assignments import (active_allocations, active_allocations_of, assigned, assignments_for, digest,
                                       expected_ranks)
@@ -187,13 +187,13 @@ def _heartbeat(session: Session, hb: Heartbeat, node: Node, maybe_pending: bool,
     # issue 10: validation reports; a failed critical check moves this node's jobs (their actions change)
     pending: list = []
     if node_health.on_heartbeat(session, node, hb.validations, settings=settings, now=now, pending=pending,
-                                 maybe_pending=maybe_pending):
+                                 maybe_pending=maybe_pending, counts_rounds=node_health.server_rounds(hb.protocol_version)):
         held = assigned(allocs, settings)
     # liveness and the latest GPU figures last: one UPDATE of the node row with the quick-round count
     node.last_heartbeat_at = now
     if hb.gpus:
         metrics_store.set_latest_gpus(node, hb.gpus, settings)
-    return _reply(session, node, [a for _, a in held], settings, pending=pending)
+    return _reply(session, node, [a for _, a in held], settings, pending=pending, protocol_version=hb.protocol_version)
 
 
 # -- a full heartbeat that changes nothing but liveness, without the ORM (issue 12) ---------------
@@ -249,7 +249,13 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     caller goes on the ORM way; the node's row is locked either way). Nothing is written before
     every reason to return None has been ruled out."""
     delivered: dict[int, tuple] = {}  # run id -> (run columns, check rows): the first report of each run
+    own = []  # the agent's own periodic rounds that passed (protocol version 2)
     for report in hb.validations:
+        if report.run_id is None:
+            if not node_health.quiet_own_round(report):
+                return None  # a failed round acts on the node: node_health.absorb_reports
+            own.append((hb.node, report))
+            continue
         values, rows_, checks = node_health.report_rows(report)
         if values["status"] != "passed" or node_health.hardware_xid(checks):
             return None  # the node's state changes, or a full run is asked for: node_health.absorb_reports
@@ -316,7 +322,8 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
     quick = first.n_quick or 0
     every = settings.validation.quick_every_heartbeats
     # (a heartbeat that delivers results does not count: rounds follow the agent's own rhythm)
-    if every and not hb.validations and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION:
+    if every and not hb.validations and first.n_agent_version != node_health.VIRTUAL_AGENT_VERSION \
+            and node_health.server_rounds(hb.protocol_version):
         if not runs:
             quick += 1
         if quick >= every:
@@ -337,6 +344,7 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
         if check_rows:
             session.execute(insert(vc), [dict(r, run_id=run_id) for r in check_rows])
         publish_after_commit(session, node_health.validation_topic(run_id))
+    node_health.store_own_rounds(session, own)
     metrics_store.record_heartbeat(session=session, node=hb.node, gpus=hb.gpus, now=now, settings=settings)
     values: dict = {"last_heartbeat_at": now, "heartbeats_since_quick": quick}
     if hb.gpus:
@@ -350,7 +358,9 @@ def _quiet_heartbeat(session: Session, hb: Heartbeat, *, settings: Settings, now
         inventory = session.execute(stmt.returning(n.c.gpu_inventory)).scalar_one()
         expected = [GpuInfo.model_validate(g) for g in inventory or []]
         validations = [ValidationRequest(run_id=i, level=level, expected_gpus=expected) for i, level in runs]
-    reply = _server_reply(hb.node, assignments, settings, validations, reply_digest)
+    reply = _server_reply(hb.node, assignments, settings, validations, reply_digest,
+                          quick_every=node_health.own_rounds_every(hb.protocol_version, state, first.n_agent_version,
+                                                                   settings))
     if seen is not None:
         seen["state"] = state
         seen["heartbeats_since_quick"] = quick
@@ -368,13 +378,17 @@ def current_reply(*, session: Session, node_name: str, settings: Settings) -> Se
 
 
 def _reply(session: Session, node: Node, assignments: list[Assignment], settings: Settings,
-           pending: list | None = None) -> ServerReply:
+           pending: list | None = None, protocol_version: int | None = None) -> ServerReply:
+    """``protocol_version``: the message's (default: the one the node registered with)."""
+    version = protocol_version if protocol_version is not None else (node.protocol_version or 1)
     return _server_reply(node.name, assignments, settings,
-                         node_health.pending_requests(session, node, runs=pending))  # issue 10
+                         node_health.pending_requests(session, node, runs=pending),  # issue 10
+                         quick_every=node_health.own_rounds_every(version, node.state, node.agent_version, settings))
 
 
 def _server_reply(node: str, assignments: list[Assignment], settings: Settings,
-                  validations: list[ValidationRequest], assignments_digest: str | None = None) -> ServerReply:
+                  validations: list[ValidationRequest], assignments_digest: str | None = None,
+                  quick_every: int = 0) -> ServerReply:
     return ServerReply(
         node=node,
         assignments=assignments,
@@ -382,6 +396,7 @@ def _server_reply(node: str, assignments: list[Assignment], settings: Settings,
         heartbeat_interval_s=settings.agent.heartbeat_interval_s,
         lost_after_s=settings.agent.lost_after_s,  # issue 13: the agent fences itself before this
         validations=validations,
+        quick_every_heartbeats=quick_every,  # issue 12: the agent's own rounds (protocol version 2)
     )
 
 
@@ -401,7 +416,9 @@ class _Steady:
     epoch: int
     until: float
     # answers left before the node's quick round is due (a full pass starts it); None: not counted
+    # (the agent runs its own rounds, protocol version 2, or the node has none)
     quick_left: int | None
+    protocol_version: int  # the heartbeat's that made the entry: another version takes a full pass
 
 
 @dataclass(slots=True)
@@ -426,7 +443,12 @@ def _refusal(c: _Steady | None, hb: Heartbeat, *, version: int, epoch: int) -> s
         return "expired"
     if c.quick_left is not None and c.quick_left <= 0:
         return "quick_due"
-    if hb.validations or hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts:
+    if hb.assignments_digest != c.reply.assignments_digest or hb.attempts != c.attempts \
+            or hb.protocol_version != c.protocol_version:
+        return "report"
+    # the agent's own rounds that passed are written behind the answer (protocol version 2); a
+    # requested run's result or a failed round takes a full pass
+    if hb.validations and not all(node_health.quiet_own_round(r) for r in hb.validations):
         return "report"
     return None
 
@@ -472,6 +494,8 @@ class ReplyCache:
         self._settings = settings
         self._entries: dict[str, _Steady] = {}
         self._beats: dict[str, _Beat] = {}
+        # the agents' own quick rounds that passed, answered from the cache: (node, start) -> report
+        self._rounds: dict[tuple[str, float], ValidationReport] = {}
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
@@ -509,10 +533,10 @@ class ReplyCache:
                   and all(a.action == DesiredAction.RUN for a in reply.assignments))
         quick_left = None
         every = self._settings.validation.quick_every_heartbeats if self._settings is not None else 0
-        if steady and every and state in _COUNTING:
+        if steady and every and state in _COUNTING and node_health.server_rounds(hb.protocol_version):
             quick_left = every - 1 - int(seen.get("heartbeats_since_quick") or 0)
         entry = _Steady(reply, reply.model_dump_json().encode(), list(hb.attempts), state, version, epoch,
-                        time.monotonic() + self.lifetime(), quick_left) if steady else None
+                        time.monotonic() + self.lifetime(), quick_left, hb.protocol_version) if steady else None
         with self._lock:
             if entry is not None:
                 self._entries[hb.node] = entry
@@ -541,6 +565,8 @@ class ReplyCache:
             quick = (prev.quick if prev is not None and prev.state == steady.state else 0) + \
                 (1 if steady.quick_left is not None else 0)
             self._beats[hb.node] = _Beat(now, steady.state, hb.gpus or (prev.gpus if prev else []), quick)
+            for report in hb.validations:  # own rounds that passed (``_refusal``), kept once per start
+                self._rounds[(hb.node, report.started_at)] = report
             self.hits += 1
             if self._thread is None and self._sessions is not None and self.flush_s > 0:
                 self._thread = threading.Thread(target=self._run, name="hai-liveness", daemon=True)
@@ -555,23 +581,28 @@ class ReplyCache:
             return len(self._beats)
 
     def flush(self) -> int:
-        """Write the noted liveness of every node (one statement, node-name order) and the metric
-        buckets that are due, and commit; returns the node rows written. What cannot be written
-        (the database is down) is kept for the next try, unless a newer heartbeat replaced it."""
+        """Write the noted liveness of every node (one statement, node-name order), the agents'
+        own passed rounds (``node_health.store_own_rounds``) and the metric buckets that are due,
+        and commit; returns the node rows written. What cannot be written (the database is down)
+        is kept for the next try, unless a newer heartbeat replaced it."""
         with self._flush_lock:
             with self._lock:
                 beats, self._beats = self._beats, {}
+                rounds, self._rounds = self._rounds, {}
             if self._sessions is None or self._settings is None:
                 return 0
             try:
                 with self._sessions() as session:
                     written = write_liveness(session=session, beats=beats, settings=self._settings)
+                    node_health.store_own_rounds(session, [(node, r) for (node, _), r in sorted(rounds.items())])
                     metrics_store.write_due(session=session, settings=self._settings)
                     session.commit()
             except Exception:
                 with self._lock:
                     for name, b in beats.items():
                         self._beats.setdefault(name, b)
+                    for key, r in rounds.items():
+                        self._rounds.setdefault(key, r)
                 raise
             self.flushed += written
             return written

@@ -23,14 +23,15 @@ import time
 import zlib
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import insert, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, Node, ValidationCheck, ValidationRun
 from hai.domain.jobs import JobState
 from hai.domain.nodes import HOLDING_STATES, NodeState, failed_critical, failure_reason
-from hai.protocol import GpuInfo, ValidationReport, ValidationRequest
+from hai.protocol import AGENT_ROUNDS_VERSION, GpuInfo, ValidationReport, ValidationRequest
 from hai.services import notify
 from hai.services.assignments import active_allocations
 from hai.services.auth import Principal
@@ -202,12 +203,95 @@ def _failed_body(checks: list[dict]) -> list[dict]:
             for f in failed_critical(checks)]
 
 
+# -- the agent's own periodic quick rounds (issue 12, protocol version 2) ----------------------
+# With protocol version 1 the server counts each node's heartbeats and asks for its quick round in
+# a reply; the agent answers in a later heartbeat: two full heartbeat passes a round, every
+# ``quick_every_heartbeats`` (at 1,250 nodes and 30 heartbeats, ~83 a second: half of the fan-in's
+# full passes). From version 2 the reply gives the agent the period and the agent runs its rounds
+# itself; a round that passed is stored as a run (trigger ``periodic``, requested by ``agent``)
+# behind a cached answer (``agents.ReplyCache``, with the liveness it writes in batches) or in the
+# heartbeat's Core pass; one that failed goes the ORM way and acts as a requested round does.
+OWN_ROUND_BY = "agent"  # ValidationRun.requested_by of an agent's own round
+_ROUND_STATES = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
+
+
+def server_rounds(protocol_version: int) -> bool:
+    """Whether the server counts the node's heartbeats and asks for its periodic quick rounds
+    (agents of protocol version 1); from version 2 the agent runs them."""
+    return protocol_version < AGENT_ROUNDS_VERSION
+
+
+def own_rounds_every(protocol_version: int, state: str, agent_version: str | None, settings: Settings) -> int:
+    """What a reply gives as ``quick_every_heartbeats``: the period of the agent's own rounds on
+    a node where the server would count them (ready, draining, drained; a real agent of version 2),
+    else 0."""
+    if server_rounds(protocol_version) or agent_version == VIRTUAL_AGENT_VERSION or state not in _ROUND_STATES:
+        return 0
+    return settings.validation.quick_every_heartbeats
+
+
+def quiet_own_round(report: ValidationReport) -> bool:
+    """An own round that changes nothing but the node's run history: no critical check failed and
+    no hardware Xid was seen (either acts on the node: ``absorb_reports``)."""
+    return report.run_id is None and not any(
+        (c.critical and c.status == "failed") or (c.name == "gpu_xid" and c.data.get("hardware"))
+        for c in report.checks)
+
+
+def _own_run(node_name: str, values: dict) -> dict:
+    return dict(node_name=node_name, level="quick", trigger="periodic", requested_by=OWN_ROUND_BY,
+                requested_at=values["started_at"], delivered_at=values["started_at"], **values)
+
+
+def store_own_rounds(session: Session, rounds: list[tuple[str, ValidationReport]]) -> int:
+    """Store passed own rounds (node name, report) in Core: one multi-row INSERT of the runs that
+    skips a round already stored (the unique index over node and start of migration 0017: a
+    report sent again), one of their checks. Returns the runs written; the caller commits."""
+    if not rounds:
+        return 0
+    vr, vc = ValidationRun.__table__, ValidationCheck.__table__
+    runs, checks = [], {}
+    for node_name, report in rounds:
+        values, rows, _ = report_rows(report)
+        runs.append(_own_run(node_name, values))
+        checks[(node_name, values["started_at"])] = rows
+    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(vr).values(runs).on_conflict_do_nothing().returning(vr.c.id, vr.c.node_name, vr.c.started_at)
+    written = session.execute(stmt).all()
+    rows = [dict(r, run_id=w.id) for w in written for r in checks[(w.node_name, _as_utc(w.started_at))]]
+    if rows:
+        session.execute(insert(vc), rows)
+    return len(written)
+
+
+def _as_utc(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=utcnow().tzinfo)
+
+
+def _absorbed_run(session: Session, node: Node, report: ValidationReport) -> ValidationRun | None:
+    """The run a report answers: the node's pending run of its id, or for an own round (no id) a
+    new periodic run, unless that round is stored already (None: nothing to absorb)."""
+    if report.run_id is not None:
+        run = session.get(ValidationRun, report.run_id)
+        return run if run is not None and run.node_name == node.name and run.status == PENDING else None
+    if not runs_validators(node):
+        return None
+    started = report_rows(report)[0]["started_at"]
+    if session.scalar(select(ValidationRun.id).where(
+            ValidationRun.node_name == node.name, ValidationRun.requested_by == OWN_ROUND_BY,
+            ValidationRun.started_at == started)) is not None:
+        return None
+    run = ValidationRun(**_own_run(node.name, {"started_at": started}), status=PENDING, summary="", checks=[])
+    session.add(run)
+    return run
+
+
 def absorb_reports(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
                    now: datetime) -> None:
     """Store the agent's finished runs (replay-safe: a run is absorbed once) and act on them."""
     for report in reports:
-        run = session.get(ValidationRun, report.run_id)
-        if run is None or run.node_name != node.name or run.status != PENDING:
+        run = _absorbed_run(session, node, report)
+        if run is None:
             continue
         checks = _store_report(run, report)
         session.flush()
@@ -318,13 +402,15 @@ def quick_phase(name: str, settings: Settings) -> int:
 
 
 def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
-                 now: datetime, pending: list[ValidationRun] | None = None, maybe_pending: bool = True) -> bool:
+                 now: datetime, pending: list[ValidationRun] | None = None, maybe_pending: bool = True,
+                 counts_rounds: bool = True) -> bool:
     """After the agent's report is reconciled: absorb validator results, start the periodic
     quick round, keep moving jobs off a node out of service, settle draining -> drained.
     True when a job on the node may have changed (the node's assignments must be rebuilt).
     ``pending``: a list this fills with the node's pending runs afterwards (one query for the
     round and the reply); ``maybe_pending`` False: the node had none when the heartbeat read it
-    (``has_pending_run``), so without reports or a run requested since, there is none to read."""
+    (``has_pending_run``), so without reports or a run requested since, there is none to read;
+    ``counts_rounds`` False: the node's agent runs its own periodic rounds (``server_rounds``)."""
     moved: list[int] = []
     if reports:
         absorb_reports(session, node, reports, settings=settings, now=now)
@@ -335,7 +421,8 @@ def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], 
     state = NodeState(node.state)
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
-    if every and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED) \
+    # (from protocol version 2 the agent runs them itself: ``server_rounds``)
+    if every and counts_rounds and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED) \
             and runs_validators(node):
         if not runs:  # count only while no run is waiting
             node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1

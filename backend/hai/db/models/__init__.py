@@ -106,7 +106,13 @@ class ValidationRun(Base):
     """One validator run on one node (kept forever, newest first in the API)."""
 
     __tablename__ = "validation_runs"
-    __table_args__ = (Index("ix_validation_runs_node_id", "node_name", "id"),)
+    __table_args__ = (
+        Index("ix_validation_runs_node_id", "node_name", "id"),
+        # issue 12 (protocol version 2): an agent's own periodic round is stored once per node and
+        # start, however often a heartbeat carrying it is sent again (migration 0017)
+        Index("ux_validation_runs_own_round", "node_name", "started_at", unique=True,
+              postgresql_where=text("requested_by = 'agent'"), sqlite_where=text("requested_by = 'agent'")),
+    )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     node_name: Mapped[str] = mapped_column(String(128))
