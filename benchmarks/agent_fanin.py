@@ -77,6 +77,7 @@ class SimAgent:
 
     def __init__(self, i: int, zones: int = 2) -> None:
         self.name = f"fan-{i:04d}"
+        self.index = i
         zone = "A" if i % zones == 0 else "B"
         self.zone, self.leaf = zone, f"{zone}{(i // zones) // 20:02d}"
         self.rng = random.Random(i)
@@ -228,6 +229,8 @@ class Stats:
     def __init__(self) -> None:
         self.measuring = False
         self.lat: list[float] = []
+        self.starts: list[float] = []  # each measured beat's start (perf_counter), for --trace
+        self.who: list[int] = []  # and its agent
         self.lag: list[float] = []
         self.errors: dict[str, int] = {}
         self.sent = 0
@@ -274,6 +277,8 @@ async def agent_loop(a: SimAgent, client: httpx.AsyncClient, stats: Stats, inter
         if stats.measuring:
             stats.sent += 1
             stats.lat.append(end - start)
+            stats.starts.append(start)
+            stats.who.append(a.index)
             stats.lag.append(start - due)
         # next slot: the one after now (a beat never queues behind a late one); the slots passed
         # meanwhile are skipped beats
@@ -516,6 +521,12 @@ async def run(args) -> dict:  # noqa: ANN001, C901
             validation_runs = await asyncio.to_thread(runs)
             eng.dispose()
         cpu = {k: round((c1[k] - c0[k]) / elapsed, 3) for k in c0}
+        if args.trace:
+            t_first = min(stats.starts, default=0.0)
+            Path(args.trace).write_text(json.dumps({
+                "first_start_unix": round(time.time() - time.perf_counter() + t_first, 4),  # to align with logs
+                "beats": [[round(t - t_first, 4), round(lat * 1000, 2), who]
+                          for t, lat, who in zip(stats.starts, stats.lat, stats.who)]}))
         result.update({
             "agents": args.agents, "gpus_per_agent": GPUS, "interval_s": args.interval_s,
             "protocol": args.protocol, "own_quick_rounds": sum(a.own_rounds for a in agents),
@@ -598,6 +609,8 @@ def main() -> None:
     ap.add_argument("--protocol", type=int, choices=(1, 2), default=2,
                     help="agent protocol version: 2 runs the periodic quick rounds in the agents (as hai agent), "
                          "1 has the server ask for each")
+    ap.add_argument("--trace", default="", help="file: every measured beat as [start s, latency ms, agent] "
+                                                 "(JSON; with the first start's Unix time)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if args.client == "raw":
@@ -611,6 +624,7 @@ def main() -> None:
     print(text_)
     if args.out:
         Path(args.out).write_text(text_ + "\n")
+
 
 
 if __name__ == "__main__":

@@ -189,9 +189,10 @@ def test_an_xid_79_makes_the_node_unhealthy_and_its_job_resumes_elsewhere(health
         assert len(forced) == 1 and forced[0]["from_state"] == "unhealthy"
         # the Xid stays in the kernel log: the agent's next own quick round (every heartbeat here)
         # finds it again and the node is out of service once more
-        seen = len(n["events"])
-        n = wait_for(lambda: (x := _node(stack, "faulty"))["state"] == "unhealthy" and len(x["events"]) > seen and x,
+        at = n["events"].index(forced[0])  # (the round may have come already)
+        n = wait_for(lambda: (x := _node(stack, "faulty"))["state"] == "unhealthy" and len(x["events"]) > at + 1 and x,
                      timeout=60, what="the next quick round to find the Xid")
+        assert n["events"][at + 1]["to_state"] == "unhealthy"
         assert "gpu_xid" in n["state_reason"]
         run_id = n["events"][-1]["detail"]["run_id"]
         with stack.client() as c:

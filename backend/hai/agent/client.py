@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import httpx
+import logging
 
-from hai.protocol import PROTOCOL_VERSION, AgentHello, Heartbeat, LogAck, LogBatch, ServerReply
+import httpx
+from pydantic import BaseModel
+
+from hai.protocol import (AGENT_ROUNDS_VERSION, PROTOCOL_VERSION, PROTOCOLS_HEADER, SUPPORTED_VERSIONS, AgentHello, Heartbeat, LogAck,
+                          LogBatch, ServerReply)
+
+log = logging.getLogger("hai.agent")
 
 API = "/api/v1/agent"
 
@@ -27,6 +33,16 @@ class Rejected(AgentError):
     def __init__(self, status: int, body: str):
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
+
+
+def common_version(header: str | None) -> int | None:
+    """The newest version this agent speaks among those a 426's header lists (None: none)."""
+    try:
+        theirs = {int(v) for v in (header or "").split(",") if v.strip()}
+    except ValueError:
+        return None
+    both = theirs & SUPPORTED_VERSIONS
+    return max(both) if both else None
 
 
 def server_urls(server: str) -> list[str]:
@@ -54,6 +70,9 @@ class AgentClient:
             for url in self.servers
         ]
         self.timeout_s = timeout_s
+        # the version this client speaks: the newest, until a server answers 426 listing an older
+        # one that this agent speaks too (a server not upgraded yet, issue 12); kept from then on
+        self.version = PROTOCOL_VERSION
 
     @property
     def server(self) -> str:
@@ -66,17 +85,31 @@ class AgentClient:
     def _next(self) -> None:
         self._i = (self._i + 1) % len(self.servers)
 
-    def _post(self, path: str, body: str, *, timeout: float | None = None) -> httpx.Response:
+    def _post(self, path: str, msg: BaseModel, *, timeout: float | None = None) -> httpx.Response:
         http = self._http
+        version = self.version
+        if msg.protocol_version != version:  # type: ignore[attr-defined]
+            update: dict = {"protocol_version": version}
+            if version < AGENT_ROUNDS_VERSION and getattr(msg, "validations", None):
+                # a server of version 1 knows no own rounds (it asks for each): none is sent to it
+                # (one the agent ran before it failed over to such a server is dropped)
+                update["validations"] = [r for r in msg.validations if r.run_id is not None]  # type: ignore[attr-defined]
+            msg = msg.model_copy(update=update)
         try:
-            r = http.post(f"{API}/{path}", content=body, headers={"Content-Type": "application/json"},
+            r = http.post(f"{API}/{path}", content=msg.model_dump_json(), headers={"Content-Type": "application/json"},
                           timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
         except httpx.HTTPError as e:
             self._next()
             raise ServerUnavailable(f"{type(e).__name__}: {e}") from e
         if r.status_code == 426:
+            other = common_version(r.headers.get(PROTOCOLS_HEADER))
+            if other is not None and other != version:
+                log.warning("the server at %s speaks agent protocol versions %s: speaking %d with it",
+                            self.server, r.headers.get(PROTOCOLS_HEADER), other)
+                self.version = other
+                return self._post(path, msg, timeout=timeout)
             raise ProtocolVersionUnsupported(
-                f"the server at {self.server} does not support agent protocol version {PROTOCOL_VERSION}: "
+                f"the server at {self.server} does not support agent protocol version {version}: "
                 f"{r.text[:300]} — upgrade the agent (or the server)")
         if r.status_code >= 500:
             self._next()
@@ -86,16 +119,16 @@ class AgentClient:
         return r
 
     def register(self, hello: AgentHello) -> ServerReply:
-        r = self._post("register", hello.model_dump_json())
+        r = self._post("register", hello)
         return ServerReply.model_validate_json(r.content)
 
     def heartbeat(self, hb: Heartbeat) -> ServerReply:
         # a long poll may be held up to wait_s by the server
-        r = self._post("heartbeat", hb.model_dump_json(), timeout=self.timeout_s + hb.wait_s)
+        r = self._post("heartbeat", hb, timeout=self.timeout_s + hb.wait_s)
         return ServerReply.model_validate_json(r.content)
 
     def logs(self, batch: LogBatch) -> LogAck:
-        r = self._post("logs", batch.model_dump_json())
+        r = self._post("logs", batch)
         return LogAck.model_validate_json(r.content)
 
     def close(self) -> None:

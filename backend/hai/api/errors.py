@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from hai.services.errors import ChecksFailed, Invalid, ServiceError, TooMany, Unauthorized
+from hai.protocol import PROTOCOLS_HEADER
+from hai.services import agents as agent_service
+from hai.services.errors import ChecksFailed, Invalid, ServiceError, TooMany, Unauthorized, UnsupportedProtocol
 
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ def install(app: FastAPI) -> None:
         if isinstance(exc, ChecksFailed):
             return JSONResponse({"detail": exc.body}, status_code=exc.status_code)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+        if isinstance(exc, UnsupportedProtocol):  # the versions an agent may speak instead (issue 12)
+            headers = {PROTOCOLS_HEADER: ",".join(str(v) for v in sorted(agent_service.SUPPORTED_VERSIONS))}
         if isinstance(exc, TooMany) and exc.retry_after_s is not None:
             headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)

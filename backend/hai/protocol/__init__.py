@@ -5,6 +5,11 @@ every attempt it holds in each heartbeat; the server answers with the full set o
 for the node. Applying the same reply twice changes nothing, and after an agent restart the
 agent reattaches to its still-running ranks (it re-reads them from its state directory) and
 reports them again.
+
+Versions (``messages.SUPPORTED_VERSIONS``; the server answers any other with a 426): 1, and 2
+(issue 12), in which the agent runs its periodic quick validation rounds itself by
+``ServerReply.quick_every_heartbeats`` and reports them without a run id. A server speaks both;
+an agent of version 1 gets its rounds asked for as before.
 """
 
 from hai.protocol.messages import *  # noqa: F401,F403

@@ -16,12 +16,16 @@ PROTOCOL_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({1, 2})
 # the first version whose agents run their own periodic quick rounds
 AGENT_ROUNDS_VERSION = 2
+# a 426 (a version the server does not speak) lists the versions it speaks in this header, e.g.
+# "1"; an agent that speaks one of them too goes on in that version (``AgentClient``)
+PROTOCOLS_HEADER = "X-HAI-Agent-Protocols"
 # any integer parses (so the server can answer an unknown version with a 426 that says which it
 # speaks); the schema lists the versions that are accepted
 _VERSION_FIELD = Field(default=PROTOCOL_VERSION, json_schema_extra={"enum": sorted(SUPPORTED_VERSIONS)})
 
 __all__ = [
     "AGENT_ROUNDS_VERSION",
+    "PROTOCOLS_HEADER",
     "PROTOCOL_VERSION",
     "SUPPORTED_VERSIONS",
     "DesiredAction",

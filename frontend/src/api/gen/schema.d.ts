@@ -622,10 +622,10 @@ export interface components {
             node: string;
             /**
              * Protocol Version
-             * @default 1
+             * @default 2
              * @enum {integer}
              */
-            protocol_version: 1;
+            protocol_version: 1 | 2;
             /** Zone */
             zone?: string | null;
         };
@@ -925,10 +925,10 @@ export interface components {
             node: string;
             /**
              * Protocol Version
-             * @default 1
+             * @default 2
              * @enum {integer}
              */
-            protocol_version: 1;
+            protocol_version: 1 | 2;
             /** Validations */
             validations?: components["schemas"]["ValidationReport"][];
             /**
@@ -1211,10 +1211,10 @@ export interface components {
             node: string;
             /**
              * Protocol Version
-             * @default 1
+             * @default 2
              * @enum {integer}
              */
-            protocol_version: 1;
+            protocol_version: 1 | 2;
         };
         /** LogLine */
         LogLine: {
@@ -1524,10 +1524,15 @@ export interface components {
             node: string;
             /**
              * Protocol Version
-             * @default 1
+             * @default 2
              * @enum {integer}
              */
-            protocol_version: 1;
+            protocol_version: 1 | 2;
+            /**
+             * Quick Every Heartbeats
+             * @default 0
+             */
+            quick_every_heartbeats: number;
             /**
              * Reregister
              * @default false
@@ -1687,7 +1692,7 @@ export interface components {
              */
             level: "quick" | "full";
             /** Run Id */
-            run_id: number;
+            run_id?: number | null;
             /** Started At */
             started_at: number;
         };
