@@ -4,6 +4,10 @@ come from HAI_TEST_DATABASE_URL / HAI_TEST_REDIS_URL (set by `make test`)."""
 from __future__ import annotations
 
 import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,29 @@ from hai.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@contextmanager
+def uvicorn_thread(app, **config) -> Iterator[str]:  # noqa: ANN001, ANN003
+    """``app`` served by a real uvicorn server in a thread on a free port of 127.0.0.1 (its
+    own logging, HTTP/1.1, keep-alive: what ``TestClient`` leaves out); yields its URL once it
+    listens and stops it afterwards."""
+    import uvicorn
+
+    from hai.agent.testing import wait_for
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=20, what="uvicorn to listen")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 @pytest.fixture

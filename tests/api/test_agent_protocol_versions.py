@@ -5,12 +5,8 @@ when there is none. A real uvicorn server in a thread and the agent's own client
 
 from __future__ import annotations
 
-import socket
-import threading
-
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy import select
 
 from hai.agent.client import AgentClient, ProtocolVersionUnsupported
@@ -22,6 +18,7 @@ from hai.services import agents as agent_service
 from hai.services import auth
 from hai.services.context import Platform
 from hai.settings import Settings
+from tests.conftest import uvicorn_thread
 
 
 @pytest.fixture
@@ -31,20 +28,9 @@ def served(tmp_path):
     Base.metadata.create_all(platform.engine)
     with platform.sessions() as s:
         token = auth.create_agent_token(session=s)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(platform), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # until it listens
-        if server.started:
-            break
-        threading.Event().wait(0.05)
-    assert server.started
-    yield platform, f"http://127.0.0.1:{port}", token
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_thread(create_app(platform), log_level="warning") as url:
+        yield platform, url, token
+    platform.close()
 
 
 def hello(name: str) -> AgentHello:

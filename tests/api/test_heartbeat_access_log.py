@@ -6,12 +6,9 @@ so that the lines are uvicorn's own."""
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 
 import httpx
 import pytest
-import uvicorn
 
 from hai.api.agent import QuietHeartbeats
 from hai.db.base import Base
@@ -20,6 +17,7 @@ from hai.protocol import AgentHello, GpuInfo, Heartbeat
 from hai.services import auth
 from hai.services.context import Platform
 from hai.settings import Settings
+from tests.conftest import uvicorn_thread
 
 
 class _Lines(logging.Handler):
@@ -45,18 +43,9 @@ def _serve_and_beat(tmp_path, lines: _Lines, **agent) -> None:  # noqa: ANN001, 
     Base.metadata.create_all(platform.engine)
     with platform.sessions() as s:
         token = auth.create_agent_token(session=s)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(platform), host="127.0.0.1", port=port, log_level="info"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}) as c:
-            for _ in range(200):  # until it listens (started is set once the socket is bound)
-                if server.started:
-                    break
-                threading.Event().wait(0.05)
+        with uvicorn_thread(create_app(platform), log_level="info") as url, \
+                httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
             # uvicorn configured its loggers when it started (dictConfig replaced their handlers)
             logging.getLogger("uvicorn.access").addHandler(lines)
             hello = AgentHello(node="n0", address="127.0.0.1", fake_gpus=True,
@@ -67,8 +56,6 @@ def _serve_and_beat(tmp_path, lines: _Lines, **agent) -> None:  # noqa: ANN001, 
             assert c.post("/api/v1/agent/heartbeat", json=hb | {"protocol_version": 99}).status_code == 426
             assert c.get("/healthz").status_code == 200
     finally:
-        server.should_exit = True
-        thread.join(30)
         platform.close()
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from hai.agent.faults import BadFaultSpec, Fault, FaultEffects, FaultPlan, parse_fault
 from hai.agent.gpu import FakeGpus
+from hai.agent.testing import wait_for
 from hai.agent.validators import CATALOGUE, Validator, checks_for, make_context, run_check, run_suite
 from hai.agent.validators.model import Check, Skip, Thresholds, expected_for
 from hai.agent.validators.probes import FakeProbe, TorchBench
@@ -316,15 +317,6 @@ def test_the_runner_runs_each_run_once_and_keeps_reports_until_acknowledged(tmp_
     assert v.reports() == [] and v.runs == 1
 
 
-def wait_until(cond, timeout: float = 30.0) -> bool:  # noqa: ANN001 - polls the runner's state
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_the_runner_runs_own_rounds_one_at_a_time_and_drops_each_once_a_reply_came(tmp_path):
     """Issue 12 (protocol version 2): a periodic quick round of the agent's own has no run id; it
     does not start while a run is under way; its report goes in every heartbeat until a reply to
@@ -343,7 +335,7 @@ def test_the_runner_runs_own_rounds_one_at_a_time_and_drops_each_once_a_reply_ca
     assert v.busy() and not v.own_round([])  # one at a time
     v.submit([ValidationRequest(run_id=9, level="quick")])  # a requested run queues behind it
     gate.set()
-    assert wait_until(lambda: v.runs == 2 and not v.busy())
+    wait_for(lambda: v.runs == 2 and not v.busy(), timeout=30, what="both runs")
     reports = v.reports()
     assert [r.run_id for r in reports] == [9, None]
     own = reports[1]
@@ -351,7 +343,8 @@ def test_the_runner_runs_own_rounds_one_at_a_time_and_drops_each_once_a_reply_ca
     assert {c.name for c in own.checks} == {c.name for c in checks_for("quick")}
     v.acknowledge([own], [ValidationRequest(run_id=9, level="quick")])  # the reply still lists 9
     assert [r.run_id for r in v.reports()] == [9]
-    assert v.own_round([]) and wait_until(lambda: v.runs == 3 and not v.busy())
+    assert v.own_round([])
+    wait_for(lambda: v.runs == 3 and not v.busy(), timeout=30, what="the second own round")
     later = [r for r in v.reports() if r.run_id is None]
     assert len(later) == 1 and later[0].started_at > own.started_at
     v.acknowledge([], [])  # a reply to a heartbeat that did not carry it: kept
