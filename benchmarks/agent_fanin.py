@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import httpx
@@ -49,6 +48,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backend"))
+
+from hai.protocol import round_phase  # noqa: E402 - the agent's own rule for spreading quick rounds
 
 GPUS = 8
 
@@ -138,7 +139,7 @@ class SimAgent:
         if every <= 0 or carried:
             return
         if self.since_round is None:
-            self.since_round = -(zlib.crc32(self.name.encode()) % every)
+            self.since_round = -round_phase(self.name, every)
         if reply.get("validations"):
             return
         self.since_round += 1

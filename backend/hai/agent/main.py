@@ -19,7 +19,6 @@ changed). Server unreachable: the jobs keep running; retries back off exponentia
 from __future__ import annotations
 
 import itertools
-import zlib
 import logging
 import os
 import random
@@ -39,7 +38,7 @@ from hai.agent.node import NodeAgent
 from hai.agent.faults import FaultEffects, FaultPlan  # issue 10
 from hai.agent.validators import Validator, make_context  # issue 10
 from hai.agent.users import UserMap, root_without_user_map
-from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply
+from hai.protocol import AgentHello, AttemptStatus, Heartbeat, LogBatch, LogLine, ServerReply, round_phase
 
 log = logging.getLogger("hai.agent")
 
@@ -286,7 +285,7 @@ class Agent:
         if every <= 0 or res.validations:
             return
         if self._since_round is None:
-            self._since_round = -(zlib.crc32(self.node_name.encode()) % every)
+            self._since_round = -round_phase(self.node_name, every)
         if self.validator.busy() or reply.validations:
             return
         self._since_round += 1

@@ -13,7 +13,6 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from hai.protocol import PROTOCOLS_HEADER
-from hai.services import agents as agent_service
 from hai.services.errors import ChecksFailed, Invalid, ServiceError, TooMany, Unauthorized, UnsupportedProtocol
 
 
@@ -70,7 +69,7 @@ def install(app: FastAPI) -> None:
             return JSONResponse({"detail": exc.body}, status_code=exc.status_code)
         headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
         if isinstance(exc, UnsupportedProtocol):  # the versions an agent may speak instead (issue 12)
-            headers = {PROTOCOLS_HEADER: ",".join(str(v) for v in sorted(agent_service.SUPPORTED_VERSIONS))}
+            headers = {PROTOCOLS_HEADER: ",".join(str(v) for v in sorted(exc.supported))}
         if isinstance(exc, TooMany) and exc.retry_after_s is not None:
             headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)

@@ -15,6 +15,6 @@ an agent of version 1 gets its rounds asked for as before.
 from hai.protocol.messages import *  # noqa: F401,F403
 from hai.protocol.messages import __all__  # noqa: F401
 from hai.protocol.node_state import NodeState  # noqa: F401,E402
-from hai.protocol.validation import CheckResult, ValidationReport, ValidationRequest  # noqa: F401,E402
+from hai.protocol.validation import CheckResult, ValidationReport, ValidationRequest, round_phase  # noqa: F401,E402
 
-__all__ = [*__all__, "NodeState", "CheckResult", "ValidationReport", "ValidationRequest"]
+__all__ = [*__all__, "NodeState", "CheckResult", "ValidationReport", "ValidationRequest", "round_phase"]

@@ -8,6 +8,7 @@ heartbeat until a reply no longer lists that run.
 
 from __future__ import annotations
 
+import zlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,6 +23,13 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     _no_bools = model_validator(mode="before")(classmethod(_numbers_not_bools))
+
+
+def round_phase(node: str, every: int) -> int:
+    """Heartbeats by which a node's first periodic quick round comes later than ``every`` (0 to
+    every - 1, from its name): nodes that start together do not run their rounds in the same
+    second ever after. The server (version 1) and the agent (version 2) spread them alike."""
+    return zlib.crc32(node.encode()) % every if every > 0 else 0
 
 
 class ValidationRequest(_Msg):

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 def check_version(version: int) -> None:
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedProtocol(
-            f"agent protocol version {version} is not supported; the server speaks {sorted(SUPPORTED_VERSIONS)}"
-        )
+            f"agent protocol version {version} is not supported; the server speaks {sorted(SUPPORTED_VERSIONS)}",
+            SUPPORTED_VERSIONS)
 
 
 def register(*, session: Session, hello: AgentHello, settings: Settings) -> ServerReply:
@@ -403,7 +403,6 @@ def _server_reply(node: str, assignments: list[Assignment], settings: Settings,
 
 
 # -- steady heartbeats answered from a cache (issue 12: 1,250 agents at 1 Hz) -------------------
-_COUNTING = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
 
 
 @dataclass(slots=True)
@@ -533,7 +532,7 @@ class ReplyCache:
                   and all(a.action == DesiredAction.RUN for a in reply.assignments))
         quick_left = None
         every = self._settings.validation.quick_every_heartbeats if self._settings is not None else 0
-        if steady and every and state in _COUNTING and node_health.server_rounds(hb.protocol_version):
+        if steady and every and state in node_health.ROUND_STATES and node_health.server_rounds(hb.protocol_version):
             quick_left = every - 1 - int(seen.get("heartbeats_since_quick") or 0)
         entry = _Steady(reply, reply.model_dump_json().encode(), list(hb.attempts), state, version, epoch,
                         time.monotonic() + self.lifetime(), quick_left, hb.protocol_version) if steady else None

@@ -62,3 +62,7 @@ class Invalid(ServiceError):
 
 class UnsupportedProtocol(ServiceError):
     status_code = 426
+
+    def __init__(self, message: str, supported: frozenset[int]):
+        super().__init__(message)
+        self.supported = supported  # the versions the server speaks (a 426 lists them)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from datetime import datetime, timedelta
 
 from sqlalchemy import insert, select
@@ -31,7 +30,7 @@ from hai.db.base import utcnow
 from hai.db.models import Job, JobAllocation, Node, ValidationCheck, ValidationRun
 from hai.domain.jobs import JobState
 from hai.domain.nodes import HOLDING_STATES, NodeState, failed_critical, failure_reason
-from hai.protocol import AGENT_ROUNDS_VERSION, GpuInfo, ValidationReport, ValidationRequest
+from hai.protocol import AGENT_ROUNDS_VERSION, GpuInfo, ValidationReport, ValidationRequest, round_phase
 from hai.services import notify
 from hai.services.assignments import active_allocations
 from hai.services.auth import Principal
@@ -179,15 +178,19 @@ def report_rows(report: ValidationReport) -> tuple[dict, list[dict], list[dict]]
     ]
     failed = failed_critical(checks)
     counts = {s: sum(1 for c in checks if c["status"] == s) for s in ("passed", "failed", "skipped")}
-    tz = utcnow().tzinfo
     run = {
         "status": "failed" if failed else "passed",
         "summary": (failure_reason(failed) if failed else
                     f"{counts['passed']} passed, {counts['failed']} failed (not critical), {counts['skipped']} skipped"),
-        "started_at": datetime.fromtimestamp(report.started_at, tz=tz),
-        "finished_at": datetime.fromtimestamp(report.finished_at, tz=tz),
+        "started_at": _at(report.started_at),
+        "finished_at": _at(report.finished_at),
     }
     return run, rows, checks
+
+
+def _at(epoch_s: float) -> datetime:
+    """A report's time (seconds since the epoch, the agent's clock) as the database keeps it."""
+    return datetime.fromtimestamp(epoch_s, tz=utcnow().tzinfo)
 
 
 def _store_report(run: ValidationRun, report: ValidationReport) -> list[dict]:
@@ -212,7 +215,9 @@ def _failed_body(checks: list[dict]) -> list[dict]:
 # behind a cached answer (``agents.ReplyCache``, with the liveness it writes in batches) or in the
 # heartbeat's Core pass; one that failed goes the ORM way and acts as a requested round does.
 OWN_ROUND_BY = "agent"  # ValidationRun.requested_by of an agent's own round
-_ROUND_STATES = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
+# the states in which a node runs periodic quick rounds (the server counts them, version 1, or
+# the reply gives the agent their period, version 2)
+ROUND_STATES = (NodeState.READY.value, NodeState.DRAINING.value, NodeState.DRAINED.value)
 
 
 def server_rounds(protocol_version: int) -> bool:
@@ -225,7 +230,7 @@ def own_rounds_every(protocol_version: int, state: str, agent_version: str | Non
     """What a reply gives as ``quick_every_heartbeats``: the period of the agent's own rounds on
     a node where the server would count them (ready, draining, drained; a real agent of version 2),
     else 0."""
-    if server_rounds(protocol_version) or agent_version == VIRTUAL_AGENT_VERSION or state not in _ROUND_STATES:
+    if server_rounds(protocol_version) or agent_version == VIRTUAL_AGENT_VERSION or state not in ROUND_STATES:
         return 0
     return settings.validation.quick_every_heartbeats
 
@@ -258,14 +263,10 @@ def store_own_rounds(session: Session, rounds: list[tuple[str, ValidationReport]
     dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     stmt = dialect.insert(vr).values(runs).on_conflict_do_nothing().returning(vr.c.id, vr.c.node_name, vr.c.started_at)
     written = session.execute(stmt).all()
-    rows = [dict(r, run_id=w.id) for w in written for r in checks[(w.node_name, _as_utc(w.started_at))]]
+    rows = [dict(r, run_id=w.id) for w in written for r in checks[(w.node_name, w.started_at)]]
     if rows:
         session.execute(insert(vc), rows)
     return len(written)
-
-
-def _as_utc(at: datetime) -> datetime:
-    return at if at.tzinfo is not None else at.replace(tzinfo=utcnow().tzinfo)
 
 
 def _absorbed_run(session: Session, node: Node, report: ValidationReport) -> ValidationRun | None:
@@ -276,7 +277,7 @@ def _absorbed_run(session: Session, node: Node, report: ValidationReport) -> Val
         return run if run is not None and run.node_name == node.name and run.status == PENDING else None
     if not runs_validators(node):
         return None
-    started = report_rows(report)[0]["started_at"]
+    started = _at(report.started_at)
     if session.scalar(select(ValidationRun.id).where(
             ValidationRun.node_name == node.name, ValidationRun.requested_by == OWN_ROUND_BY,
             ValidationRun.started_at == started)) is not None:
@@ -397,8 +398,7 @@ def quick_phase(name: str, settings: Settings) -> int:
     (0 to every - 1, from its name: stable across API processes). Nodes registering in the same
     second would otherwise run their rounds in the same second ever after: at 100 fan-in agents
     that burst of full passes was the heartbeats' whole p99 (1.1-1.7 s; 38 ms with rounds off)."""
-    every = settings.validation.quick_every_heartbeats
-    return zlib.crc32(name.encode()) % every if every > 0 else 0
+    return round_phase(name, settings.validation.quick_every_heartbeats)
 
 
 def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], *, settings: Settings,
@@ -422,8 +422,7 @@ def on_heartbeat(session: Session, node: Node, reports: list[ValidationReport], 
     every = settings.validation.quick_every_heartbeats
     # a heartbeat that delivers results does not count: rounds follow the agent's own rhythm
     # (from protocol version 2 the agent runs them itself: ``server_rounds``)
-    if every and counts_rounds and not reports and state in (NodeState.READY, NodeState.DRAINING, NodeState.DRAINED) \
-            and runs_validators(node):
+    if every and counts_rounds and not reports and state in ROUND_STATES and runs_validators(node):
         if not runs:  # count only while no run is waiting
             node.heartbeats_since_quick = (node.heartbeats_since_quick or 0) + 1
         if node.heartbeats_since_quick >= every:
