@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from operator import is_
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backend"))
@@ -202,6 +203,8 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
         next_id += 1
     queued.extend(back)
     queued.sort(key=lambda q: q.id)  # as the service reads them
+    if len(queued) == len(snap.queued) and all(map(is_, queued, snap.queued)):
+        queued = snap.queued  # no queued row changed: the service hands over the same tuple
     return Snapshot(nodes, tuple(running), tuple(queued), snap.quotas, snap.usage), next_id
 
 

@@ -152,3 +152,44 @@ def test_a_job_twice_is_not_taken_for_a_kept_queue():
     levels = kept.sync(snap, pol)
     assert levels is not None and kept.rebuilds == 1 and kept.added == kept.removed == 0
     assert [j.id for lv in levels for j in lv] == [j.id for lv in KeptQueue().sync(snap, pol) for j in lv]
+
+
+def test_the_very_queue_of_the_last_cycle_is_taken_without_reading_it(monkeypatch):
+    """A caller whose queue did not change hands the same tuple again (``services.scheduling.
+    QueueCache``, ``next_snapshot``): ``sync`` reads none of its jobs, and the cycles decide as
+    from scratch while the running jobs and the clock move on; a new tuple is proved again."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    from decision_hash import canonical as canon
+    from hai.domain.jobs import JobState
+
+    rng = random.Random(7)
+    snap = with_attained_service(build_snapshot(120, 220, 1500, 7), 7)
+    pol = Policy()
+    kept = KeptQueue()
+    d = schedule(snap, pol, NOW, kept=kept)
+    snap, _ = next_snapshot(snap, d, NOW, 30.0, rng, 0, 0, 10_000_000)
+    assert schedule(snap, pol, NOW + 30.0, kept=kept)  # the queue after the first cycle's starts, proved
+    read = []
+    monkeypatch.setattr(kept_mod, "_ID", lambda job: read.append(job) or job.id)
+    now = NOW + 30.0
+    for _ in range(3):  # running jobs end, time passes (jobs cross their thresholds); no queued row changes
+        ending = set(rng.sample([r.id for r in snap.running if r.state is not JobState.SUSPENDING], 12))
+        freed: dict[str, set[int]] = {}
+        for r in snap.running:
+            for a in r.allocations if r.id in ending else ():
+                freed.setdefault(a.node, set()).update(a.gpus)
+        snap = replace(snap, running=tuple(r for r in snap.running if r.id not in ending),
+                       nodes=tuple(replace(n, free_gpus=tuple(sorted(set(n.free_gpus) | freed.get(n.name, set()))))
+                                   for n in snap.nodes))
+        now += 900.0
+        got = schedule(snap, pol, now, kept=kept)
+        assert canon(got) == canon(schedule(snap, pol, now))
+        assert kept.added == kept.removed == 0
+    assert read == [] and kept.rebuilds == 1
+    # the same jobs in a new tuple: proved job by job, still nothing to update
+    again = replace(snap, queued=tuple(list(snap.queued)))
+    assert again.queued is not snap.queued
+    assert canon(schedule(again, pol, now, kept=kept)) == canon(schedule(again, pol, now))
+    assert len(read) == len(snap.queued) and kept.added == kept.removed == 0 and kept.rebuilds == 1

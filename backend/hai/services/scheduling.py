@@ -138,6 +138,10 @@ class QueueCache:
         self.shows: dict[int, QueuedNow] = {}  # (handed to apply_decisions as ``current``: read only)
         self.full_reads = 0
         self.rows_read = 0  # rows of queued (or formerly queued) jobs read by the last cycle
+        # ``jobs`` ordered by id as the snapshot holds them; None after any row read: a cycle that
+        # read none hands the domain the very tuple of the last one (``KeptQueue.sync`` then has
+        # nothing to prove, and the cycle sorts nothing)
+        self.ordered: tuple[sched.QueuedJob, ...] | None = None
         # the queue in the cycle's order, kept across cycles by the domain (issue 12): it follows
         # the jobs objects above (an unchanged row keeps its object), whatever reset() does
         self.kept = sched.KeptQueue()
@@ -146,6 +150,12 @@ class QueueCache:
         self.mark = None
         self.jobs = {}
         self.shows = {}
+        self.ordered = None
+
+    def queued(self) -> tuple[sched.QueuedJob, ...]:
+        if self.ordered is None:
+            self.ordered = tuple(sorted(self.jobs.values(), key=_by_id))
+        return self.ordered
 
 
 # the columns of a node the snapshot needs: not its GPU inventory and metrics, NICs and labels
@@ -229,9 +239,9 @@ def _load(
             )
         )
     if pg:
-        queued, current = _refresh_pg(session, queue)
+        current = _refresh_pg(session, queue)
     elif queue is not None:
-        queued, current = _refresh(session, queue, mark, queued_count)
+        current = _refresh(session, queue, mark, queued_count)
     quotas = tuple(
         sched.Quota(group=q.group, priority=Priority(q.priority), gpus=q.gpus, user=q.user_name)
         for q in session.scalars(select(Quota).order_by(Quota.id))
@@ -240,7 +250,7 @@ def _load(
     snapshot = sched.Snapshot(
         nodes=node_views,
         running=tuple(sorted(running, key=lambda r: r.id)),
-        queued=tuple(sorted(queued, key=_by_id)),
+        queued=queue.queued() if queue is not None else tuple(sorted(queued, key=_by_id)),
         quotas=quotas,
         usage=usage,
     )
@@ -289,10 +299,9 @@ def _absorb(jobs: dict[int, sched.QueuedJob], shows: dict[int, QueuedNow], j) ->
         shows.pop(j.id, None)
 
 
-def _refresh(
-    session: Session, queue: QueueCache, mark: int, queued_count: int | None
-) -> tuple[list[sched.QueuedJob], dict[int, QueuedNow]]:
-    """The queued jobs not held, from ``queue`` refreshed to ``mark`` (see QueueCache)."""
+def _refresh(session: Session, queue: QueueCache, mark: int, queued_count: int | None) -> dict[int, QueuedNow]:
+    """``queue`` (the queued jobs not held) refreshed to ``mark`` (see QueueCache); returns
+    their pending reasons and reservations as read."""
     for _ in range(2):
         full = queue.mark is None or mark < queue.mark
         if full:
@@ -307,13 +316,15 @@ def _refresh(
             n += 1
             _absorb(jobs, shows, j)
         queue.rows_read = n
+        if n:
+            queue.ordered = None
         queue.mark = mark
         if queued_count is None or len(jobs) == queued_count:
             break
         log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
                     len(jobs), queued_count)
         queue.reset()
-    return list(queue.jobs.values()), queue.shows
+    return queue.shows
 
 
 # PostgreSQL: a transaction id ages out of the 32-bit comparison after 2**31 transactions; a
@@ -326,9 +337,10 @@ PG_HORIZON = ("least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,"
               " pg_current_xact_id_if_assigned()::text::bigint)")
 
 
-def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJob], dict[int, QueuedNow]]:
-    """The queued jobs not held, from ``queue`` refreshed with the job rows written by every
-    transaction not known to have ended at its last read (PostgreSQL, see QueueCache).
+def _refresh_pg(session: Session, queue: QueueCache) -> dict[int, QueuedNow]:
+    """``queue`` (the queued jobs not held) refreshed with the job rows written by every
+    transaction not known to have ended at its last read (PostgreSQL, see QueueCache); returns
+    their pending reasons and reservations as read.
 
     One statement, so one snapshot (at any isolation level) for the horizon, the count of queued
     jobs and the rows: ``h``, one row, LEFT JOINed to the rows to read (so the horizon comes
@@ -372,6 +384,8 @@ def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJ
             n += 1
             _absorb(jobs, shows, j)
         queue.rows_read = n
+        if n or full:
+            queue.ordered = None
         if full:  # the whole queue as of this snapshot
             queue.mark = horizon
             break
@@ -385,7 +399,7 @@ def _refresh_pg(session: Session, queue: QueueCache) -> tuple[list[sched.QueuedJ
             queue.mark = horizon
             break
         queue.reset()  # and read it all, once
-    return list(queue.jobs.values()), queue.shows
+    return queue.shows
 
 
 def _update_usage(

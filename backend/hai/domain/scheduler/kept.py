@@ -13,7 +13,9 @@ that is the very same object as the one kept under its id has the same fields, h
 place in the order and the same key. Every snapshot job that is not that object (it arrived, or
 its row changed and the caller built a new object) is added, after the kept object of its id is
 removed; every kept job whose id is no longer queued is removed; the counts must then agree
-(else the order is built again). A caller that builds new objects for unchanged jobs still gets
+(else the order is built again). A snapshot whose queue is the very tuple of the last sync (a
+caller whose queue did not change hands the same one: ``services.scheduling.QueueCache``) holds
+the same objects: nothing to prove, the sync costs nothing. A caller that builds new objects for unchanged jobs still gets
 the right order (they count as changed), only no saving. Where the order depends on ``now``
 (least attained service with a starvation factor: a job's class changes as it waits) ``sync``
 declines and the cycle orders from scratch; when more than a quarter of the queue changed it
@@ -154,12 +156,15 @@ class KeptQueue:
         self._levels: dict[int, Level] = {}
         self._reserved: dict[int, QueuedJob] = {}  # job id -> a kept job with reserved nodes
         self._keys: dict[tuple, int] = {}  # lane key and class -> an even int
+        # the snapshot's queue tuple as of the last sync (held, so its id is not reused while kept)
+        self._queued: tuple[QueuedJob, ...] | None = None
         self.rebuilds = 0  # (for tests and benchmarks) full builds
         self.added = 0  # jobs added by the last sync (a full build adds every job)
         self.removed = 0  # jobs removed by the last sync
 
     def _reset(self, classes: tuple[float, ...] | None) -> None:
         self._classes = classes
+        self._queued = None
         self._byid, self._levels, self._reserved, self._keys = {}, {}, {}, {}
 
     def _key(self, job: QueuedJob, c: int) -> int:
@@ -208,6 +213,10 @@ class KeptQueue:
         queued = snapshot.queued
         if classes != self._classes:
             self._reset(classes)
+        self.added = self.removed = 0
+        if queued is self._queued:  # the very tuple of the last sync: the same jobs, nothing to prove
+            return [self._levels[r] for r in sorted(self._levels, reverse=True)]
+        self._queued = None
         byid = self._byid
         ids = list(map(_ID, queued))
         idset = set(ids)
@@ -215,7 +224,6 @@ class KeptQueue:
             return None  # a job twice: not a queue
         same = list(map(is_, map(byid.get, ids), queued))  # the very object kept for that id
         n_same = same.count(True)
-        self.added = self.removed = 0
         if n_same == len(queued) == len(byid):
             pass  # nothing arrived, left or changed
         elif not byid or len(queued) + len(byid) - 2 * n_same > len(queued) // 4 + 64:
@@ -233,6 +241,7 @@ class KeptQueue:
             self.added, self.removed = len(changed), len(gone)
             if not ok or len(byid) != len(queued):
                 self._rebuild(queued)  # should not happen: the kept order was not what it claimed
+        self._queued = queued if type(queued) is tuple else None  # (a list may change in place)
         return [self._levels[r] for r in sorted(self._levels, reverse=True)]
 
     def _rebuild(self, queued: tuple[QueuedJob, ...]) -> None:
