@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import hashlib
 import os
 import sys
@@ -147,6 +148,21 @@ def main(argv=None) -> int:
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                 "seed": args.seed, "world_size": world}
 
+    def shut_down() -> None:
+        """Destroy the process groups and free them now, while the interpreter is whole. A gloo
+        worker thread may still hold the last gradient all-reduce, and freeing it takes the GIL:
+        during the interpreter's exit that kills the thread inside a destructor and aborts the
+        rank after its work is done ("terminate called without an active exception", exit 134; a
+        torch race, seen on loaded CPUs). DDP goes first (its reducer would free the group with
+        the GIL held, which such a thread waits for), then the group's Python handle, which frees
+        it without the GIL and joins its threads once they have let go of their work."""
+        nonlocal ddp
+        group = ddp.process_group
+        dist.destroy_process_group()
+        ddp = None
+        gc.collect()
+        del group
+
     loss_fn = nn.MSELoss()
     t_start = None
     timed_steps = 0
@@ -158,7 +174,7 @@ def main(argv=None) -> int:
             sdk.suspend_ready()  # every rank; waits for rank 0's write (barrier)
             log(f"suspended at step {step}: checkpoint {path} ({time.time() - t0:.3f}s)")
             if distributed:
-                dist.destroy_process_group()
+                shut_down()
             return 0
         if step - start == args.warmup:
             if cuda:
@@ -202,7 +218,7 @@ def main(argv=None) -> int:
     log(f"final step={step} checksum={h.hexdigest()} param_sum={total:.10f}")
     if distributed:
         dist.barrier()
-        dist.destroy_process_group()
+        shut_down()
     return 0
 
 
