@@ -153,6 +153,7 @@ class QueueCache:
         self.ordered = None
 
     def queued(self) -> tuple[sched.QueuedJob, ...]:
+        """The cached queue ordered by id: the same tuple as last time while no row was read."""
         if self.ordered is None:
             self.ordered = tuple(sorted(self.jobs.values(), key=_by_id))
         return self.ordered
