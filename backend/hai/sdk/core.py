@@ -228,19 +228,26 @@ def _settle_at_exit() -> None:
     exit 134: seen in the DDP example test, reproduced by a peer that answers ~0.1 s late). So:
     wait for it (every rank issued it, so the peers answer promptly; bounded in case one is
     gone), and keep the work and its tensor referenced for the rest of the process, so that no
-    thread has to hand them back to Python during the teardown."""
+    thread has to hand them back to Python during the teardown.
+
+    Then the SDK lets go of its group, so that a group already destroyed is freed here, its worker
+    threads joined once they have let go of their last work (which may take the GIL), not during
+    the teardown, where a thread that takes the GIL is killed inside a destructor and the rank
+    aborts the same way (seen with DDP's last gradient all-reduce: ``examples/haiscale_ddp.py``).
+    Not when the check did not complete: a thread may still wait for the peer."""
     st = _state
     pending, st.pending = st.pending, None
-    if pending is None:
-        return
-    for obj in pending:  # an extra reference that finalisation does not take back
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-    try:
-        import datetime
+    if pending is not None:
+        for obj in pending:  # an extra reference that finalisation does not take back
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        try:
+            import datetime
 
-        pending[0].wait(datetime.timedelta(seconds=EXIT_WAIT_S))
-    except Exception as e:  # a peer already gone, or it never made the matching call
-        print(f"[hai.sdk] the last suspend check did not complete at exit: {e}", file=sys.stderr)
+            pending[0].wait(datetime.timedelta(seconds=EXIT_WAIT_S))
+        except Exception as e:  # a peer already gone, or it never made the matching call
+            print(f"[hai.sdk] the last suspend check did not complete at exit: {e}", file=sys.stderr)
+            return
+    st.group = st.group_for = None
 
 
 def _barrier_all() -> None:
