@@ -16,10 +16,11 @@ removed; every kept job whose id is no longer queued is removed; the counts must
 (else the order is built again). A snapshot whose queue is the very tuple of the last sync (a
 caller whose queue did not change hands the same one: ``services.scheduling.QueueCache``) holds
 the same objects: nothing to prove, the sync costs nothing. A caller that builds new objects
-for unchanged jobs still gets the right order (they count as changed), only no saving. Where the order depends on ``now``
-(least attained service with a starvation factor: a job's class changes as it waits) ``sync``
-declines and the cycle orders from scratch; when more than a quarter of the queue changed it
-builds the order again (sorting is then cheaper than the updates).
+for unchanged jobs still gets the right order (they count as changed), only no saving. Where
+the order depends on ``now`` (least attained service with a starvation factor: a job's class
+changes as it waits) ``sync`` declines and the cycle orders from scratch; when more than a
+quarter of the queue changed it builds the order again (sorting is then cheaper than the
+updates).
 """
 
 from __future__ import annotations
