@@ -49,6 +49,7 @@ from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler import (
     NodeView,
     Policy,
+    QueueDelta,
     QueuedJob,
     Quota,
     RunningJob,
@@ -190,22 +191,32 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
     )  # fmt: skip
     started = {s.job_id for s in d.starts}
     queued = []
+    changed: list[QueuedJob] = []  # new objects: rows that changed, arrivals, jobs back in the queue
     for q in snap.queued:
         if q.id in started:
             continue
         want = tuple(d.reservations.get(q.id, ()))
-        queued.append(q if q.reserved_nodes == want else replace(q, reserved_nodes=want))
+        if q.reserved_nodes != want:
+            q = replace(q, reserved_nodes=want)
+            changed.append(q)
+        queued.append(q)
     users = sorted({q.user for q in snap.queued} | {r.user for r in snap.running}) or ["user000"]
     group_of = {q.user: q.group for q in snap.queued}
     for _ in range(arrivals):
         (n, g), p, u = _pick(rng, SHAPES), _pick(rng, PRIOS), rng.choice(users)
-        queued.append(QueuedJob(next_id, u, group_of.get(u, "group00"), p, n, g, later, later))
+        changed.append(QueuedJob(next_id, u, group_of.get(u, "group00"), p, n, g, later, later))
+        queued.append(changed[-1])
         next_id += 1
     queued.extend(back)
+    changed.extend(back)
     queued.sort(key=lambda q: q.id)  # as the service reads them
     if len(queued) == len(snap.queued) and all(map(is_, queued, snap.queued)):
-        queued = snap.queued  # no queued row changed: the service hands over the same tuple
-    return Snapshot(nodes, tuple(running), tuple(queued), snap.quotas, snap.usage), next_id
+        # no queued row changed: the service hands over the same tuple
+        return Snapshot(nodes, tuple(running), snap.queued, snap.quotas, snap.usage), next_id
+    # and, as the service's QueueCache does, how the new tuple differs from the last
+    new = tuple(queued)
+    delta = QueueDelta(snap.queued, new, tuple(changed), tuple(sorted(started)))
+    return Snapshot(nodes, tuple(running), new, snap.quotas, snap.usage, queue_delta=delta), next_id
 
 
 def changing_cycles(args, snap: Snapshot, policy: Policy) -> dict:

@@ -42,6 +42,20 @@ def _same(api, cache) -> int:  # noqa: ANN001
     assert snap.running == full_snap.running and snap.nodes == full_snap.nodes
     if last:  # a read that found no row changed hands over the very tuple of the last (KeptQueue.sync: no proof)
         assert (snap.queued is last) == (cache.rows_read == 0 and cache.full_reads == full_reads)
+    delta = snap.queue_delta
+    if last and snap.queued is not last and cache.full_reads == full_reads:
+        # a new tuple after an incremental read: with an account of how it differs from the last
+        # one (KeptQueue.sync updates from it without proving the queue); the account must be true
+        assert delta is not None and delta.base is last and delta.queued is snap.queued
+        changed = {j.id: j for j in delta.changed}
+        assert len(changed) == len(delta.changed) and not changed.keys() & set(delta.gone)
+        assert len(changed) + len(delta.gone) <= cache.rows_read
+        before = {j.id: j for j in last}
+        assert {j.id for j in snap.queued} == (before.keys() - set(delta.gone)) | changed.keys()
+        for j in snap.queued:  # every other job is the very object it was
+            assert j is changed[j.id] if j.id in changed else j is before[j.id]
+    elif cache.full_reads != full_reads:
+        assert delta is None  # a full read: no account
     return cache.rows_read
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,11 @@ POLICIES = {
 }
 
 
-def _compare(pol: Policy, seed: int, cycles: int = 10, queued: int = 1500, attained: bool = True) -> tuple[list[int], KeptQueue]:
-    """The cycles (0-based) whose decisions differ between the kept queue and from scratch."""
+def _compare(pol: Policy, seed: int, cycles: int = 10, queued: int = 1500, attained: bool = True,
+             delta: bool = True) -> tuple[list[int], KeptQueue]:
+    """The cycles (0-based) whose decisions differ between the kept queue and from scratch.
+    ``delta``: the snapshots say how their queue changed (``QueueDelta``, as the service's do);
+    without, ``sync`` proves each queue job by job."""
     rng = random.Random(seed)
     snap = build_snapshot(120, 220, queued, seed)
     if attained:
@@ -49,6 +53,8 @@ def _compare(pol: Policy, seed: int, cycles: int = 10, queued: int = 1500, attai
             differ.append(k)
         arrivals, ends = rng.choice((0, 5, 40, 200)), rng.choice((0, 3, 15))
         snap, next_id = next_snapshot(snap, want, now, rng.choice((1.0, 30.0, 600.0)), rng, arrivals, ends, next_id)
+        if not delta:
+            snap = replace(snap, queue_delta=None)
         now += 30.0
     return differ, kept
 
@@ -62,6 +68,57 @@ def test_kept_queue_decides_as_from_scratch(monkeypatch, name, seed, lane_everyw
     differ, kept = _compare(POLICIES[name], seed, attained=name != "fifo-capped")
     assert differ == []
     assert kept.rebuilds == 1  # built once, then updated: the comparison was of the kept order
+
+
+@pytest.mark.parametrize("name", ["least-attained-service", "fifo-capped"])
+def test_a_queue_without_an_account_of_its_changes_is_proved(monkeypatch, name):
+    """The same comparison with snapshots that do not say how their queue changed: ``sync``
+    proves each queue against the kept objects."""
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    read = []
+    real_id = kept_mod._ID
+    monkeypatch.setattr(kept_mod, "_ID", lambda job: read.append(1) or real_id(job))
+    differ, kept = _compare(POLICIES[name], 3, attained=name != "fifo-capped", delta=False)
+    assert differ == [] and kept.rebuilds == 1
+    assert len(read) > 1500 * 8  # every cycle after the first read every job's id
+
+
+def test_an_account_of_the_changes_spares_the_proof(monkeypatch):
+    """A snapshot whose ``queue_delta`` names the tuple of the last sync as its base is synced
+    from the account, reading none of the other jobs, and decides as from scratch; an account
+    based on another tuple is not used (the queue is proved), and an account that does not
+    match the queue (a job it says is gone is still there) is caught by the count and the
+    order is built again."""
+    from hai.domain.scheduler.model import QueueDelta
+
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    rng = random.Random(11)
+    snap = with_attained_service(build_snapshot(120, 220, 1500, 11), 11)
+    pol = Policy()
+    kept = KeptQueue()
+    d = schedule(snap, pol, NOW, kept=kept)
+    read = []
+    real_id = kept_mod._ID
+    monkeypatch.setattr(kept_mod, "_ID", lambda job: read.append(job) or real_id(job))
+    nxt, _ = next_snapshot(snap, d, NOW, 30.0, rng, 40, 10, 10_000_000)
+    delta = nxt.queue_delta
+    assert delta is not None and delta.base is snap.queued and delta.changed and delta.gone
+    assert canonical(schedule(nxt, pol, NOW + 30.0, kept=kept)) == canonical(schedule(nxt, pol, NOW + 30.0))
+    assert read == [] and kept.rebuilds == 1
+    assert kept.added == len(delta.changed) and kept.removed == len(delta.gone) + sum(
+        1 for j in delta.changed if j.id in {q.id for q in snap.queued})
+    assert [j.id for lv in kept.sync(nxt, pol) for j in lv] == [j.id for lv in KeptQueue().sync(nxt, pol) for j in lv]
+    # an account against another base (not the last synced tuple): proved job by job instead
+    again = replace(nxt, queued=tuple(list(nxt.queued)))  # (a new tuple of the same jobs)
+    again = replace(again, queue_delta=QueueDelta(snap.queued, again.queued, delta.changed, delta.gone))
+    read.clear()
+    assert canonical(schedule(again, pol, NOW + 60.0, kept=kept)) == canonical(schedule(again, pol, NOW + 60.0))
+    assert len(read) == len(again.queued) and kept.rebuilds == 1
+    # an account that does not match: a job said to be gone is still queued
+    wrong = replace(again, queued=tuple(list(again.queued)))
+    wrong = replace(wrong, queue_delta=QueueDelta(again.queued, wrong.queued, (), (wrong.queued[5].id,)))
+    assert canonical(schedule(wrong, pol, NOW + 90.0, kept=kept)) == canonical(schedule(wrong, pol, NOW + 90.0))
+    assert kept.rebuilds == 2
 
 
 def test_the_snapshots_change_and_the_kept_queue_follows(monkeypatch):

@@ -4,6 +4,7 @@ wake up and receive their new assignments)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -142,6 +143,12 @@ class QueueCache:
         # read none hands the domain the very tuple of the last one (``KeptQueue.sync`` then has
         # nothing to prove, and the cycle sorts nothing)
         self.ordered: tuple[sched.QueuedJob, ...] | None = None
+        # how ``ordered`` differs from the tuple handed over before it (``sched.QueueDelta``: the
+        # jobs of the rows read since, in the queue or gone), so that the kept queue updates its
+        # order from them instead of proving the whole queue; None after a full read
+        self.delta: sched.QueueDelta | None = None
+        self._base: tuple[sched.QueuedJob, ...] | None = None  # the tuple handed over before the rows read
+        self._touched: set[int] | None = None  # ids of the rows read since ``_base``; None: unknown
         # the queue in the cycle's order, kept across cycles by the domain (issue 12): it follows
         # the jobs objects above (an unchanged row keeps its object), whatever reset() does
         self.kept = sched.KeptQueue()
@@ -151,11 +158,33 @@ class QueueCache:
         self.jobs = {}
         self.shows = {}
         self.ordered = None
+        self._base = self._touched = None
+
+    def _read(self, ids: list[int], full: bool) -> None:
+        """The rows of ``ids`` were read (``full``: the whole queue): the next tuple is a new one,
+        differing from the last one handed over in those jobs only unless the read was full."""
+        if full:
+            self.ordered = self._base = self._touched = None
+            return
+        if not ids:
+            return
+        if self.ordered is not None:  # the first rows read since a tuple was handed over
+            self._base, self._touched = self.ordered, set(ids)
+            self.ordered = None
+        elif self._touched is not None:
+            self._touched.update(ids)
 
     def queued(self) -> tuple[sched.QueuedJob, ...]:
-        """The cached queue ordered by id: the same tuple as last time while no row was read."""
+        """The cached queue ordered by id: the same tuple as last time while no row was read;
+        else a new one, with ``delta`` saying how it differs from the last (when known)."""
         if self.ordered is None:
-            self.ordered = tuple(sorted(self.jobs.values(), key=_by_id))
+            jobs = self.jobs
+            self.ordered = tuple(sorted(jobs.values(), key=_by_id))
+            touched, base = self._touched, self._base
+            self.delta = None if touched is None or base is None else sched.QueueDelta(
+                base, self.ordered, tuple(jobs[i] for i in touched if i in jobs),
+                tuple(i for i in touched if i not in jobs))
+            self._base = self._touched = None
         return self.ordered
 
 
@@ -254,6 +283,7 @@ def _load(
         queued=queue.queued() if queue is not None else tuple(sorted(queued, key=_by_id)),
         quotas=quotas,
         usage=usage,
+        queue_delta=queue.delta if queue is not None else None,
     )
     return snapshot, current
 
@@ -311,14 +341,13 @@ def _refresh(session: Session, queue: QueueCache, mark: int, queued_count: int |
             queue.full_reads += 1
         else:
             rows = session.execute(select(*_JOB_COLUMNS).where(Job.change_seq > queue.mark))
-        n = 0
         jobs, shows = queue.jobs, queue.shows
+        ids: list[int] = []
         for j in rows:
-            n += 1
+            ids.append(j.id)
             _absorb(jobs, shows, j)
-        queue.rows_read = n
-        if n:
-            queue.ordered = None
+        queue.rows_read = len(ids)
+        queue._read(ids, full)
         queue.mark = mark
         if queued_count is None or len(jobs) == queued_count:
             break
@@ -376,17 +405,16 @@ def _refresh_pg(session: Session, queue: QueueCache) -> dict[int, QueuedNow]:
             jobs.clear()
             shows.clear()
             queue.full_reads += 1
-        n = 0
+        ids: list[int] = []
         horizon = next_xid = queued_count = None
         for j in rows:
             horizon, next_xid, queued_count = j.horizon, j.next_xid, j.queued
             if j.id is None:  # the LEFT JOIN's row when no job row is read
                 continue
-            n += 1
+            ids.append(j.id)
             _absorb(jobs, shows, j)
-        queue.rows_read = n
-        if n or full:
-            queue.ordered = None
+        queue.rows_read = len(ids)
+        queue._read(ids, full)
         if full:  # the whole queue as of this snapshot
             queue.mark = horizon
             break
@@ -580,9 +608,7 @@ def run_cycle(
     usage = _update_usage(planner, snapshot, now=now, half_life_s=half_life_s, write=read_session is None)
     if read_session is not None:
         read_session.rollback()  # the planning read ends here
-    snapshot = sched.Snapshot(
-        nodes=snapshot.nodes, running=snapshot.running, queued=snapshot.queued, quotas=snapshot.quotas, usage=usage
-    )
+    snapshot = dataclasses.replace(snapshot, usage=usage)  # (the queue and its delta as read)
     decisions = sched.schedule(snapshot, policy_from_settings(settings), now.timestamp(),
                                kept=queue.kept if queue is not None else None)
     if read_session is not None:

@@ -15,7 +15,10 @@ its row changed and the caller built a new object) is added, after the kept obje
 removed; every kept job whose id is no longer queued is removed; the counts must then agree
 (else the order is built again). A snapshot whose queue is the very tuple of the last sync (a
 caller whose queue did not change hands the same one: ``services.scheduling.QueueCache``) holds
-the same objects: nothing to prove, the sync costs nothing. A caller that builds new objects
+the same objects: nothing to prove, the sync costs nothing. A snapshot that says how its queue
+differs from the tuple of the last sync (``model.QueueDelta``, the caller's account: the jobs
+that arrived, changed or left) is synced from that account in O(changes), without the proof
+(the count must still agree). A caller that builds new objects
 for unchanged jobs still gets the right order (they count as changed), only no saving. Where
 the order depends on ``now`` (least attained service with a starvation factor: a job's class
 changes as it waits) ``sync`` declines and the cycle orders from scratch; when more than a
@@ -31,7 +34,7 @@ from itertools import chain, compress
 from operator import attrgetter, is_, not_
 from typing import Iterable, Iterator
 
-from hai.domain.scheduler.model import Policy, QueuedJob, Snapshot
+from hai.domain.scheduler.model import Policy, QueueDelta, QueuedJob, Snapshot
 from hai.domain.scheduler.victims import rank as _rank
 
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
@@ -217,6 +220,9 @@ class KeptQueue:
         self.added = self.removed = 0
         if queued is self._queued:  # the very tuple of the last sync: the same jobs, nothing to prove
             return [self._levels[r] for r in sorted(self._levels, reverse=True)]
+        delta = snapshot.queue_delta
+        if delta is not None and delta.queued is queued and delta.base is self._queued and queued:
+            return self._apply(delta)
         self._queued = None
         byid = self._byid
         ids = list(map(_ID, queued))
@@ -243,6 +249,38 @@ class KeptQueue:
             if not ok or len(byid) != len(queued):
                 self._rebuild(queued)  # should not happen: the kept order was not what it claimed
         self._queued = queued if type(queued) is tuple else None  # (a list may change in place)
+        return [self._levels[r] for r in sorted(self._levels, reverse=True)]
+
+    def _apply(self, delta: QueueDelta) -> list[Level]:
+        """``sync`` from the caller's account of what changed since the last sync (``QueueDelta``:
+        its base is the tuple of the last sync), in O(changes): the jobs gone and the kept
+        objects of the changed jobs removed, the changed jobs added. The count must then agree
+        (else the order is built again, as when the proof fails)."""
+        queued, byid = delta.queued, self._byid
+        self._queued = None
+        if len(delta.changed) + len(delta.gone) > len(queued) // 4 + 64:
+            self._rebuild(queued)
+        else:
+            ok = True
+            removed = 0
+            for jid in delta.gone:
+                job = byid.get(jid)
+                if job is not None:
+                    ok = self._remove(job) and ok
+                    removed += 1
+            for job in delta.changed:
+                old = byid.get(job.id)
+                if old is job:
+                    continue
+                if old is not None:
+                    ok = self._remove(old) and ok
+                    removed += 1
+                self._add(job)
+                self.added += 1
+            self.removed = removed
+            if not ok or len(byid) != len(queued):
+                self._rebuild(queued)  # the account did not match the kept order
+        self._queued = queued
         return [self._levels[r] for r in sorted(self._levels, reverse=True)]
 
     def _rebuild(self, queued: tuple[QueuedJob, ...]) -> None:

@@ -86,6 +86,24 @@ class Quota:
     user: str | None = None  # None: the whole group's quota at that priority
 
 
+@dataclass(frozen=True, eq=False)
+class QueueDelta:
+    """How a snapshot's queue tuple differs from an earlier one (issue 12), as the caller that
+    built both knows it: ``queued`` is ``base`` without the jobs of ``gone`` (ids) and with the
+    jobs of ``changed`` (each arrived, or a new object for a job whose row changed, replacing
+    the object of its id); every other job of ``queued`` is the very object it was in ``base``.
+    A promise, not checked job by job: ``KeptQueue.sync`` then updates its order in O(changes)
+    instead of proving O(queue) that the other jobs are the ones it kept. It applies only to
+    the very tuples it names (``queued is snapshot.queued``, ``base`` the tuple of the kept
+    queue's last sync): a snapshot whose queue was replaced (``dataclasses.replace``) drops it
+    in effect. ``services.scheduling.QueueCache`` builds one from the rows it read."""
+
+    base: tuple[QueuedJob, ...]
+    queued: tuple[QueuedJob, ...]
+    changed: tuple[QueuedJob, ...]
+    gone: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Snapshot:
     nodes: tuple[NodeView, ...]
@@ -94,6 +112,9 @@ class Snapshot:
     quotas: tuple[Quota, ...] = ()
     # each user's recent GPU usage (GPU-seconds, decayed with the policy's half-life) as of now
     usage: Mapping[str, float] = field(default_factory=dict)
+    # (optional) how ``queued`` differs from an earlier snapshot's queue (QueueDelta): not part
+    # of what the snapshot says, only a hint that spares the kept queue its proof
+    queue_delta: QueueDelta | None = field(default=None, compare=False, repr=False)
 
 
 # The default service classes (issue 16): eight least-attained-service classes, x~3.2 apart, up to
