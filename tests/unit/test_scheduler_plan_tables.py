@@ -159,3 +159,75 @@ def test_singles_are_every_pair_in_order_however_built(seed):
     assert list(got) == list(want) and got == want == unordered and sum(map(len, want.values())) > 0
     table._singles, table._pairs = None, None  # the node-by-node build (a job twice on a node)
     assert {g: list(b) for g, b in table.singles().items()} == want
+
+
+def _one_victim_reading_every_pair(slots, singles, gpus, usable, eligible, maxfree):  # noqa: ANN001, ANN202
+    """The reference for ``preemption._one_victim``: each bucket read in its whole order (every
+    pair checked), not through ``SortedPairs.fitting``."""
+    best = None
+    for g, bucket in singles.items():
+        if g + maxfree < gpus:
+            continue
+        for entry in list(bucket):
+            if best is not None and entry > best:
+                break
+            _lost, _gpus, o, _job_id, i = entry
+            slot = slots[o]
+            if slot.gpus < gpus or len(slot.free) + g < gpus or not eligible(i) or not usable(slot):
+                continue
+            best = entry
+            break
+    return best
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_single_victim_plans_find_what_reading_every_pair_finds(monkeypatch, name):
+    """Every single-victim plan of changing snapshots (its cycle's starts shrinking the free
+    GPUs between plans, so ``fitting`` serves later plans from what earlier ones read) picks
+    the pair that reading every pair in order picks."""
+    seen = {"plans": 0, "found": 0, "differ": 0}
+    real = pre._one_victim
+
+    def checked(slots, singles, gpus, usable, eligible, maxfree):  # noqa: ANN001, ANN202
+        want = _one_victim_reading_every_pair(slots, singles, gpus, usable, eligible, maxfree)
+        got = real(slots, singles, gpus, usable, eligible, maxfree)
+        seen["plans"] += 1
+        seen["found"] += want is not None
+        seen["differ"] += (got is None) != (want is None) or (
+            got is not None and (got.victims, [s.ord for s in got.slots]) != ([want[4]], [want[2]]))
+        return got
+
+    monkeypatch.setattr(pre, "_one_victim", checked)
+    for seed in (0, 1):
+        _cycles(POLICIES[name], seed)
+    assert seen["plans"] > 0 and seen["found"] > 0
+    assert seen["differ"] == 0
+
+
+def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
+    """``SortedPairs.fitting`` yields, in order, every pair whose node could hold the job now,
+    also after free GPUs were taken between two reads (it skips a pair for good only when its
+    node failed, which stays failed in a cycle); a pair that fits is never left out."""
+    from hai.domain.scheduler.core import _Cycle
+
+    snap = build_snapshot(320, 520, 2500, 4)
+    cyc = _Cycle(snap, Policy(**FIFO_LEVELS), NOW)
+    table, index = cyc.facts.table, cyc.index
+    slots = index.slots
+    rng = random.Random(4)
+    singles = table.singles()
+    skipped = 0
+    for _round in range(4):
+        for g, bucket in singles.items():
+            for gpus in (g + 1, 4, 8):
+                fits = lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus  # noqa: E731
+                got = list(bucket.fitting(gpus, g, slots))
+                assert [e for e in got if fits(e)] == [e for e in list(bucket) if fits(e)]
+                assert got == sorted(got)
+                skipped += len(bucket) - len(got)
+        # the cycle's starts take free GPUs: some nodes shrink
+        with_free = [s for s in slots if s.free]
+        assert with_free
+        for slot in rng.sample(with_free, min(40, len(with_free))):
+            index.take(slot, rng.randint(1, len(slot.free)))
+    assert skipped > 0  # pairs were skipped for good

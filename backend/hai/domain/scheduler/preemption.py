@@ -133,7 +133,7 @@ def _one_victim(
     for g, bucket in singles.items():
         if g + maxfree < gpus:
             continue  # no node has enough free GPUs beside a victim of this size
-        for entry in bucket:
+        for entry in bucket.fitting(gpus, g, slots):  # (skips pairs whose node is too small for good)
             if best is not None and entry > best:
                 break
             _lost, _gpus, o, _job_id, i = entry

@@ -18,7 +18,7 @@ from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from hai.domain.scheduler.model import Policy, RunningJob
-from hai.domain.scheduler.placement import FreeIndex
+from hai.domain.scheduler.placement import FreeIndex, NodeSlot
 
 _ID = attrgetter("id")
 _FIRST = itemgetter(0)
@@ -47,12 +47,15 @@ class SortedPairs:
     first few of ~20,000 pairs; sorting them all was most of ``singles``' cost). ``unordered``:
     all of them in no particular order."""
 
-    __slots__ = ("done", "heap")
+    __slots__ = ("done", "heap", "_fit")
 
     def __init__(self, pairs: list[VictimOnNode]):
         heapq.heapify(pairs)
         self.heap = pairs
         self.done: list[VictimOnNode] = []  # the least ones, in order
+        # a job's GPUs -> [the pairs read so far whose node could hold it beside the victim, in
+        # order; how many pairs of the order were read for it] (``fitting``)
+        self._fit: dict[int, list] = {}
 
     def __iter__(self) -> Iterator[VictimOnNode]:
         if not self.heap:
@@ -74,6 +77,51 @@ class SortedPairs:
                     return
                 done.append(heapq.heappop(heap))
             yield done[k]
+            k += 1
+
+    def _at(self, k: int) -> VictimOnNode | None:
+        """The ``k``-th pair in order (None past the last), sorted as far as that (as ``_reading``)."""
+        done, heap = self.done, self.heap
+        while k >= len(done):
+            if not heap:
+                return None
+            if len(done) >= 64:
+                heap.sort()
+                done.extend(heap)
+                heap.clear()
+            else:
+                done.append(heapq.heappop(heap))
+        return done[k]
+
+    def fitting(self, gpus: int, victim_gpus: int, slots: Sequence[NodeSlot]) -> Iterator[VictimOnNode]:
+        """The pairs in order, less those whose node cannot hold a job of ``gpus`` GPUs on one
+        node beside this bucket's victims (``victim_gpus`` each): the node has fewer GPUs, or
+        fewer free than the job needs beyond the victim's. A node's free GPUs only shrink
+        during a cycle, so a pair that failed once fails for the rest of it: each job size reads
+        the order past such pairs once a cycle, not once a plan (a plan of 8 GPUs read every
+        pair of the 1-GPU victims, ~6,500 at 10k nodes, and found none that fit). The pairs
+        yielded are checked again by the caller (free GPUs may have shrunk since)."""
+        got = self._fit.get(gpus)
+        if got is None:
+            got = self._fit[gpus] = [[], 0]
+        keep: list[VictimOnNode] = got[0]
+        need = gpus - victim_gpus
+        k = 0
+        while True:
+            if k == len(keep):
+                p = got[1]
+                while True:
+                    e = self._at(p)
+                    if e is None:
+                        got[1] = p
+                        return
+                    p += 1
+                    slot = slots[e[2]]
+                    if slot.gpus >= gpus and len(slot.free) >= need:
+                        keep.append(e)
+                        break
+                got[1] = p
+            yield keep[k]
             k += 1
 
     def __len__(self) -> int:
