@@ -198,44 +198,61 @@ class RunningTable:
         held = [0] * len(holders)  # GPUs held on each node by the indexed jobs
         # every (job, node) pair of ``holders`` as parallel lists (for ``singles``); None when a
         # job holds two allocations on one node (merged in ``holders``: rare, built from there)
-        pj: list[int] | None = []
+        pj: list[int] = []
         pg: list[int] = []
         po: list[int] = []
+        pairs_ok = True
+        pj_add, pg_add, po_add = pj.append, pg.append, po.append
         nodes_of, gpus, runtime, lost, pending_for = self.nodes_of, self.gpus, self.runtime, self.lost, self.pending_for
         for i in members:
             j = jobs[i]
-            g = 0
-            mine = nodes_of[i]
-            for a in j.allocations:
-                k = len(a.gpus)
-                g += k
+            allocs = j.allocations
+            if len(allocs) == 1:  # (most jobs: one node)
+                a = allocs[0]
+                g = len(a.gpus)
                 slot = by_name.get(a.node)
-                if slot is None:
-                    continue
-                o = slot.ord
-                held[o] += k
-                if o in mine:  # two allocations on one node: merge
-                    hs = holders[o]
-                    for x, (hi, hk) in enumerate(hs):
-                        if hi == i:
-                            hs[x] = (i, hk + k)
-                    pj = None
-                    continue
-                holders[o].append((i, k))
-                mine.append(o)
-                if pj is not None:
-                    pj.append(i)
-                    pg.append(k)
-                    po.append(o)
+                if slot is not None:
+                    o = slot.ord
+                    held[o] += g
+                    holders[o].append((i, g))
+                    nodes_of[i].append(o)
+                    pj_add(i)
+                    pg_add(g)
+                    po_add(o)
+            else:
+                g = 0
+                mine = nodes_of[i]
+                for a in allocs:
+                    k = len(a.gpus)
+                    g += k
+                    slot = by_name.get(a.node)
+                    if slot is None:
+                        continue
+                    o = slot.ord
+                    held[o] += k
+                    if o in mine:  # two allocations on one node: merge
+                        hs = holders[o]
+                        for x, (hi, hk) in enumerate(hs):
+                            if hi == i:
+                                hs[x] = (i, hk + k)
+                        pairs_ok = False
+                        continue
+                    holders[o].append((i, k))
+                    mine.append(o)
+                    pj_add(i)
+                    pg_add(k)
+                    po_add(o)
             gpus[i] = g
-            runtime[i] = now - j.started_at
-            since = j.last_checkpoint_at if j.last_checkpoint_at is not None else j.started_at
-            lost[i] = g * max(0.0, now - since)
+            started = j.started_at
+            runtime[i] = now - started
+            ckpt = j.last_checkpoint_at
+            since = now - (started if ckpt is None else ckpt)
+            lost[i] = g * since if since > 0.0 else 0.0  # (as g * max(0.0, since))
             if j.suspend_requested_for is not None:
                 pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
-        self._pairs = None if pj is None else (pj, pg, po)
+        self._pairs = (pj, pg, po) if pairs_ok else None
 
     def singles(self) -> dict[int, SortedPairs]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
