@@ -276,3 +276,37 @@ def test_plans_with_jobs_already_suspending_find_what_weighing_every_node_finds(
     # job waiting on suspensions in these snapshots)
     assert seen["single"] > 0 or name == "fifo-capped"
     assert seen["differ"] == 0
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_retry_of_a_level_passes_over_failed_shapes_and_decides_the_same(monkeypatch, name):
+    """When reserved nodes are given back during a level, its jobs are offered the capacity
+    again; a job with nothing reserved to add whose shape already failed since is passed over
+    (it would fail again). Every cycle of changing snapshots decides the same as trying every
+    job (``retry_skips_failed_shapes = False``), and jobs were passed over."""
+    from decision_hash import canonical
+
+    from hai.domain.scheduler.core import _Cycle
+
+    skipped = []
+    real_retry = _Cycle._retry_level
+
+    def retry(self, jobs):  # noqa: ANN001, ANN202
+        before = self.retry_skipped
+        real_retry(self, jobs)
+        skipped.append(self.retry_skipped - before)
+
+    monkeypatch.setattr(_Cycle, "_retry_level", retry)
+    pol = POLICIES[name]
+    for seed in (0, 1, 2):
+        rng = random.Random(seed)
+        snap = with_attained_service(build_snapshot(320, 520, 2500, seed), seed)
+        now, next_id = NOW, 10_000_000
+        for _ in range(5):
+            d = schedule(snap, pol, now)
+            monkeypatch.setattr(_Cycle, "retry_skips_failed_shapes", False)
+            assert canonical(schedule(snap, pol, now)) == canonical(d)
+            monkeypatch.setattr(_Cycle, "retry_skips_failed_shapes", True)
+            snap, next_id = next_snapshot(snap, d, now, rng.choice((10.0, 600.0)), rng, 100, 20, next_id)
+            now += 600.0
+    assert sum(skipped) > 0

@@ -204,6 +204,10 @@ class _Cycle:
     # below this many jobs in a level, lane keys rarely repeat (a Fire-Flyer level of 5,000 jobs
     # has ~3,000 (user, shape) keys): the lane's bookkeeping would cost more than it saves
     fast_lane_min_jobs = 8192
+    # ``_retry_level`` passes over a job whose shape failed with nothing reserved to add (a switch
+    # for the test that compares it with trying every job; it never changes a decision)
+    retry_skips_failed_shapes = True
+    retry_skipped = 0  # (for that test) jobs passed over so
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None):
         self.snap, self.policy, self.now = snapshot, policy, now
@@ -942,13 +946,23 @@ class _Cycle:
         (the next cycle would, a second later)."""
         d = self.decisions
         started = {s.job_id for s in d.starts}
+        place_fail = self.memo.place_fail
+        res = self.res
         for job in jobs:
             jid = job.id
-            if jid in started or jid in d.reservations or job.nodes < 1 or job.gpus_per_node < 1:
+            n, g = job.nodes, job.gpus_per_node
+            if jid in started or jid in d.reservations or n < 1 or g < 1:
+                continue
+            extras = res.extras(job, _rank(job.priority)) if res.owner else []
+            # a shape that failed with no reserved nodes to add fails again (``_try_place``'s
+            # memo): nothing to do for the job, whatever its quota says
+            if (self.retry_skips_failed_shapes and not extras
+                    and (n, g, job.allow_cross_zone and n > 1 and not self.cross_running) in place_fail):
+                self.retry_skipped += 1
                 continue
             if self.quota.enabled and self.quota.blocked(job) is not None:
                 continue
-            placement, _reason, allocs = self._try_place(job, self.res.extras(job, _rank(job.priority)))
+            placement, _reason, allocs = self._try_place(job, extras)
             if placement is not None:
                 d.pending_reasons.pop(jid, None)
                 self._start(job, placement, allocs)
