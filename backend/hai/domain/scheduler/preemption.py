@@ -273,7 +273,7 @@ def plan_multi(
             got = _free_now_plan(index, table, nodes, gpus_per_node, usable, pend)
             if got is not None:
                 return got
-    lost, jobs = table.lost, table.jobs
+    lost = table.lost
     best_key: tuple | None = None
     best_plan: Plan | None = None
     zone_start = 0
@@ -312,12 +312,11 @@ def _free_now_plan(
     pend: set[int],
 ) -> Plan | None:
     """``plan_multi``'s plan when some zone has enough nodes free now for the job (empty, or
-    held only by jobs already suspending for it: what ``_scanned_candidates`` puts in
-    ``free_now``, in the same order), found without weighing any victim: such a zone's plan
+    held only by jobs already suspending for it: ``_scanned_candidates`` with no job eligible
+    as a victim), found without weighing any victim: such a zone's plan
     has no victims, and a zone short of free nodes needs at least one, so the best of these
     zones is the best of all (fewest leaves, then zone order). None: no zone has enough, or
     none of them places the job; the caller then weighs every zone."""
-    holders = table.holders
     best_key: tuple | None = None
     best_plan: Plan | None = None
     zone_start = 0
@@ -326,28 +325,10 @@ def _free_now_plan(
         zone_start += size
         if size < nodes:
             continue
-        free_now: list[int] = []
-        waits_of: dict[int, list[int]] = {}
-        for slot in zone_slots:
-            if slot.gpus < gpus_per_node:
-                continue
-            hs = holders[slot.ord]
-            if not hs:
-                if len(slot.free) == slot.gpus and usable(slot):
-                    free_now.append(slot.ord)
-                continue
-            if sum(g for _, g in hs) + len(slot.free) != slot.gpus:
-                continue
-            for i, _g in hs:
-                if i not in pend:
-                    break
-            else:
-                if usable(slot):
-                    free_now.append(slot.ord)
-                    waits_of[slot.ord] = [i for i, _g in hs]
-        if len(free_now) < nodes:
+        cand = _scanned_candidates(zone_slots, table, gpus_per_node, usable, None, pend)  # no victims
+        if len(cand.free_now) < nodes:
             continue
-        placed = _place_on_freed(list(free_now), _Candidates(free_now, {}, {}, waits_of, {}), index, table, nodes)
+        placed = _place_on_freed(list(cand.free_now), cand, index, table, nodes)
         if placed is None:
             continue
         victims, picked, waiting, leaves = placed
@@ -484,11 +465,11 @@ def _scanned_candidates(
     table: RunningTable,
     gpus_per_node: int,
     usable: Callable[[NodeSlot], bool],
-    eligible: Callable[[int], bool],
+    eligible: Callable[[int], bool] | None,
     pend: set[int],
 ) -> _Candidates:
     """Every node of the zone, with the jobs already suspending for the waiting job counted as
-    freeing their GPUs."""
+    freeing their GPUs. ``eligible`` None: no job may be a victim (only the nodes free now)."""
     free_now: list[int] = []
     need_of: dict[int, tuple[int, ...] | list[int]] = {}
     waits_of: dict[int, list[int]] = {}
@@ -511,7 +492,7 @@ def _scanned_candidates(
         for i, _g in hs:
             if i in pend:
                 waits.append(i)
-            elif eligible(i):
+            elif eligible is not None and eligible(i):
                 needed.append(i)
             else:
                 ok = False
