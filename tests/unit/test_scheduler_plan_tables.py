@@ -310,3 +310,35 @@ def test_the_retry_of_a_level_passes_over_failed_shapes_and_decides_the_same(mon
             snap, next_id = next_snapshot(snap, d, now, rng.choice((10.0, 600.0)), rng, 100, 20, next_id)
             now += 600.0
     assert sum(skipped) > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_zone_classes_are_every_node_classified_by_the_rule(seed):
+    """``RunningTable.zones``: per zone, the nodes holding no indexed job, and every node all of
+    whose jobs are past their minimum runtime and not suspending, with its jobs, their lost work,
+    the top rank and the top rank of those not past the quantum (-1: none), node by node as the
+    rule says (one-job nodes take a shorter path in the build)."""
+    from hai.domain.scheduler.core import _Cycle
+
+    snap = build_snapshot(320, 520, 2500, seed)
+    cyc = _Cycle(snap, Policy(**FIFO_LEVELS), NOW)
+    table, index = cyc.facts.table, cyc.index
+    got = table.zones(index)
+    start = 0
+    singles = 0
+    for z, size in enumerate(index.zone_size):
+        idle, freeable = [], []
+        for o in range(start, start + size):
+            hs = table.holders[o]
+            if not hs:
+                idle.append(o)
+            elif all(table.min_ok[i] and not table.pending_mark[i] for i, _g in hs):
+                ranks = [table.rank[i] for i, _g in hs]
+                young = [table.rank[i] for i, _g in hs if not table.quantum_ok[i]]
+                freeable.append((o, tuple(i for i, _g in hs), sum(table.lost[i] for i, _g in hs), max(ranks),
+                                 max(young, default=-1)))
+                singles += len(hs) == 1
+        start += size
+        assert got[z].idle == idle and got[z].freeable == freeable
+        assert got[z].entry_of == {e[0]: e for e in freeable}
+    assert singles > 0 and any(len(e[1]) > 1 for zc in got for e in zc.freeable)

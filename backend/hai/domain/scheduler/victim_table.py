@@ -315,6 +315,12 @@ class RunningTable:
                 if not hs:
                     idle.append(o)
                     continue
+                if len(hs) == 1:  # (most nodes: one job) as the loop below, ranks being >= 0
+                    i = hs[0][0]
+                    if not pending[i] and min_ok[i]:
+                        r = ranks[i]
+                        freeable.append((o, (i,), lost[i], r, -1 if q_ok[i] else r))
+                    continue
                 top = top_young = -1
                 for i, _g in hs:
                     if pending[i] or not min_ok[i]:
