@@ -195,9 +195,11 @@ def test_a_cycle_with_the_cache_decides_as_a_cycle_without_it(api):
                     res = scheduling.run_cycle(w, settings=settings, now=now, lease=lease)
             return res
 
-        reads = loop.queue.full_reads
+        reads, accounts = loop.queue.full_reads, loop.queue.kept.accounts
         with_cache = written(api.platform.sessions, loop.queue)
         assert loop.queue.full_reads == reads and 0 < loop.queue.rows_read < len(with_cache.considered)
+        # the kept queue order was updated from the rows read (the account), not proved job by job
+        assert loop.queue.kept.accounts == accounts + 1
         with api.platform.sessions() as s:
             after_cache = [tuple(r) for r in s.execute(
                 select(Job.id, Job.state, Job.pending_reason, Job.reserved_nodes).order_by(Job.id))]

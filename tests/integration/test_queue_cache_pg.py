@@ -88,7 +88,9 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_p
         _write(api, restart)
         _same(api, cache)
         assert cache.jobs[other].attained_gpu_s > 0
-        _cycle(api, loop, lease)
+        accounts = loop.queue.kept.accounts
+        _cycle(api, loop, lease)  # its queue differs from the last cycle's by the rows written since
+        assert loop.queue.kept.accounts == accounts + 1  # updated from the rows read, not proved
         _same(api, cache)
 
         # raw SQL behind the application's back; the second a HOT update (no indexed column changes)

@@ -163,6 +163,7 @@ class KeptQueue:
         # the snapshot's queue tuple as of the last sync (held, so its id is not reused while kept)
         self._queued: tuple[QueuedJob, ...] | None = None
         self.rebuilds = 0  # (for tests and benchmarks) full builds
+        self.accounts = 0  # (likewise) syncs made from the caller's account (QueueDelta), not a proof
         self.added = 0  # jobs added by the last sync (a full build adds every job)
         self.removed = 0  # jobs removed by the last sync
 
@@ -258,6 +259,7 @@ class KeptQueue:
         (else the order is built again, as when the proof fails)."""
         queued, byid = delta.queued, self._byid
         self._queued = None
+        self.accounts += 1
         if len(delta.changed) + len(delta.gone) > len(queued) // 4 + 64:
             self._rebuild(queued)
         else:
