@@ -14,6 +14,10 @@ size and time), the node's events, and the wall time of each step; also written 
 OUT/validators_gpu.json.
 
 On a node of one GPU the multi-GPU checks (nccl_allreduce, p2p_bw) must say ``skipped``.
+``--load-gpu N`` (a node of several GPUs, issue 15): afterwards, a second process keeps GPU N
+busy with back-to-back BF16 matrix products (a slow GPU, injected) while another full run is
+asked for; its ``nccl_allreduce`` must fail. NVLink multicast stays off in every process started
+here (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1, unless set).
 The Xid check reads /dev/kmsg (root or CAP_SYSLOG) or ``journalctl -k``; it says ``skipped``,
 with why, when neither can be read.
 """
@@ -52,6 +56,24 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.25):  # noqa: 
     raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+# the injected load: back-to-back 8192^3 BF16 products on one GPU until killed
+_HOG = """
+import sys, torch
+dev = torch.device("cuda", int(sys.argv[1]))
+a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+c = torch.empty_like(a)
+for _ in range(20):
+    torch.matmul(a, b, out=c)
+torch.cuda.synchronize(dev)
+print("busy", flush=True)
+while True:
+    for _ in range(50):
+        torch.matmul(a, b, out=c)
+    torch.cuda.synchronize(dev)
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("validators-run"))
@@ -60,6 +82,8 @@ def main() -> int:
     ap.add_argument("--burn-s", type=float, default=10.0, help="GEMM burn length per GPU (HAI_VALIDATOR_GEMM_BURN_S)")
     ap.add_argument("--timeout", type=float, default=1500.0, help="give up on a run after this long")
     ap.add_argument("--work", type=Path, default=None, help="server/agent state (default: a new temp folder)")
+    ap.add_argument("--load-gpu", type=int, default=None, metavar="N",
+                    help="then another full run with GPU N kept busy by a second process (a slow GPU)")
     args = ap.parse_args()
 
     out = args.out.resolve()
@@ -74,6 +98,8 @@ def main() -> int:
            "HAI_VALIDATION__QUICK_EVERY_HEARTBEATS": "0",  # only the runs this script asks for
            "HAI_VALIDATION__UNDRAIN_TIMEOUT_S": str(args.timeout),
            "HAI_VALIDATOR_GEMM_BURN_S": str(args.burn_s)}
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        env.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")  # NVLink multicast off, in every child too
     hai = [sys.executable, "-m", "hai.cli.main"]
     procs: list[subprocess.Popen] = []
     result: dict = {"where": socket.gethostname(), "started_at": time.time(), "mode": "fake GPUs" if args.cpu else "NVML"}
@@ -131,10 +157,24 @@ def main() -> int:
         detail = http.get(f"/api/v1/nodes/{node}").json()
         result["node_state"] = detail["state"]
         result["events"] = detail["events"]
-        result["summary"] = {
-            c["name"]: {k: c[k] for k in ("status", "value", "threshold", "unit", "detail", "duration_s")}
-            for c in result["full"]["checks"]
-        }
+
+        def summary(run_: dict) -> dict:
+            return {c["name"]: {k: c[k] for k in ("status", "value", "threshold", "unit", "detail", "duration_s")}
+                    for c in run_["checks"]}
+
+        result["summary"] = summary(result["full"])
+        if args.load_gpu is not None:  # a slow GPU, injected: a second process keeps it busy
+            hog = subprocess.Popen(
+                [sys.executable, "-c", _HOG, str(args.load_gpu)], env=env, stdout=subprocess.PIPE, text=True,
+                start_new_session=True)
+            procs.append(hog)
+            assert hog.stdout is not None
+            line = hog.stdout.readline().strip()  # "busy" once its first products ran
+            if line != "busy":
+                raise RuntimeError(f"the GPU load did not start: {line!r}")
+            loaded = run("full")
+            hog.send_signal(signal.SIGTERM)
+            result["loaded"] = {"gpu": args.load_gpu, "run": loaded, "summary": summary(loaded)}
     finally:
         for p in reversed(procs):
             if p.poll() is None:

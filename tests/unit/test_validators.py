@@ -212,6 +212,55 @@ def test_bandwidth_and_memory_checks_pass_and_fail_on_their_threshold(tmp_path, 
     assert skip.status == "skipped" and skip.detail == "torch is not installed on this node"
 
 
+class BenchLinked:
+    """A bench that reports a value and how the GPUs are linked (as torch_bench does)."""
+
+    def __init__(self, value: float, link: dict):
+        self.value, self.link = value, link
+
+    def run(self, kind, gpus, timeout_s):  # noqa: ANN001, ANN201
+        return {"value": self.value, "data": {"link": self.link}}
+
+
+@pytest.mark.parametrize(("name", "kind"), [("nccl_allreduce", "allreduce"), ("p2p_bw", "p2p")])
+def test_multi_gpu_thresholds_follow_how_the_gpus_are_linked(tmp_path, name, kind):
+    """NVLink peers: an absolute floor (GPU-to-GPU copy: the public H100/H200 acceptance figure
+    of 335 GB/s); PCIe only: a fraction of the link's rate, derived from its generation and
+    width and said in the detail; a link NVML cannot tell: the flat floors."""
+    ctx = ctx_for(tmp_path)
+    t = ctx.thresholds
+
+    def check(value: float, link: dict):  # noqa: ANN202
+        return run(dataclasses.replace(ctx, bench=BenchLinked(value, link)), name)
+
+    nvlink = {"kind": "nvlink", "active_links": {"0": 18, "1": 18}}
+    floor = t.allreduce_nvlink_min_gbps if kind == "allreduce" else t.p2p_nvlink_min_gbps
+    assert (kind, floor) in (("allreduce", 200.0), ("p2p", 335.0))
+    ok, ko = check(floor + 1, nvlink), check(floor - 1, nvlink)
+    assert (ok.status, ko.status) == ("passed", "failed") and ok.threshold == ko.threshold == floor
+    assert "NVLink peers" in ok.detail
+    pcie = {"kind": "pcie", "gen": 5, "width": 16, "gbps": 63.0}
+    frac = t.allreduce_pcie_fraction if kind == "allreduce" else t.p2p_pcie_fraction
+    want = round(frac * 63.0, 1)
+    ok, ko = check(want + 0.5, pcie), check(want - 0.5, pcie)
+    assert (ok.status, ko.status) == ("passed", "failed") and ok.threshold == want
+    assert "PCIe only" in ok.detail and "gen5 x16" in ok.detail
+    unknown = check(1.0, {"kind": "unknown", "why": "NVML: driver not loaded"})
+    assert unknown.threshold == (t.allreduce_min_gbps if kind == "allreduce" else t.p2p_min_gbps)
+    assert unknown.status == "failed" and "not known" in unknown.detail
+
+
+def test_the_link_without_a_driver_is_unknown_with_why():
+    """Without an NVIDIA driver NVML does not start: the link is reported unknown, with NVML's
+    reason (the checks then use the flat floors)."""
+    from hai.agent.validators import torch_bench
+
+    got = torch_bench.link([0, 1])
+    if got["kind"] != "unknown":
+        pytest.skip(f"this machine has an NVIDIA driver: {got}")
+    assert got["why"].startswith(("NVML", "nvidia-ml-py"))
+
+
 @pytest.mark.parametrize("name", ["nccl_allreduce", "p2p_bw"])
 def test_multi_gpu_checks_skip_on_a_one_gpu_node(tmp_path, name):
     r = run(ctx_for(tmp_path, gpus=1), name)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-from hai.agent.validators.model import Check, Context, Skip, expected_for
+from hai.agent.validators.model import Check, Context, Skip, expected_for, link_threshold
 from hai.agent.xid import KernelLogUnavailable, parse_lines
 from hai.protocol import CheckResult, GpuInfo
 
@@ -182,15 +182,21 @@ def _multi(ctx: Context) -> list[int]:
 def nccl_allreduce(ctx: Context, c: Check) -> CheckResult:
     idle = _multi(ctx)
     res = ctx.bench.run("allreduce", idle, c.timeout_s)
-    return c.at_least(res["value"], ctx.thresholds.allreduce_min_gbps, "GB/s",
-                      detail=f"NCCL allreduce bus bandwidth across GPUs {idle}", data=res.get("data", {}))
+    data = res.get("data", {})
+    threshold, which = link_threshold(ctx.thresholds, "allreduce", data.get("link"))
+    peak = data.get("peak_bytes")
+    at = f", peak at {peak >> 20} MiB of 1 MiB-1 GiB" if peak else ""
+    return c.at_least(res["value"], threshold, "GB/s",
+                      detail=f"NCCL allreduce bus bandwidth across GPUs {idle}{at}; threshold for {which}", data=data)
 
 
 def p2p_bw(ctx: Context, c: Check) -> CheckResult:
     idle = _multi(ctx)
     res = ctx.bench.run("p2p", idle, c.timeout_s)
-    return c.at_least(res["value"], ctx.thresholds.p2p_min_gbps, "GB/s",
-                      detail=f"GPU-to-GPU copy from GPU {idle[0]}, min over peers", data=res.get("data", {}))
+    data = res.get("data", {})
+    threshold, which = link_threshold(ctx.thresholds, "p2p", data.get("link"))
+    return c.at_least(res["value"], threshold, "GB/s",
+                      detail=f"GPU-to-GPU copy, slowest of every pair both ways; threshold for {which}", data=data)
 
 
 # ---------------------------------------------------------------------------- host

@@ -60,8 +60,15 @@ class Thresholds:
     device_bw_fraction: float = 0.6  # of the model's HBM bandwidth
     h2d_min_gbps: float = 10.0
     host_mem_min_gbps: float = 2.0
-    allreduce_min_gbps: float = 10.0  # bus bandwidth
-    p2p_min_gbps: float = 5.0
+    allreduce_min_gbps: float = 10.0  # bus bandwidth, when NVML cannot tell how the GPUs are linked
+    p2p_min_gbps: float = 5.0  # likewise
+    # GPUs linked by NVLink (NVML's peer-to-peer status): the public H100/H200 acceptance figure
+    # for GPU-to-GPU copies between NVLink peers, and an all-reduce bus bandwidth floor
+    p2p_nvlink_min_gbps: float = 335.0
+    allreduce_nvlink_min_gbps: float = 200.0
+    # GPUs linked by PCIe only: fractions of the slowest GPU's link rate in one direction
+    p2p_pcie_fraction: float = 0.6
+    allreduce_pcie_fraction: float = 0.5
     ib_min_gbps: float = 100.0
     ckpt_min_free_gib: float = 1.0
     ckpt_min_write_mbps: float = 20.0
@@ -71,6 +78,22 @@ class Thresholds:
     def from_env(cls) -> "Thresholds":
         base = cls()
         return cls(**{k: _env_float(f"HAI_VALIDATOR_{k.upper()}", getattr(base, k)) for k in base.__dataclass_fields__})
+
+
+def link_threshold(t: "Thresholds", kind: str, link: dict | None) -> tuple[float, str]:
+    """(threshold, which) for a multi-GPU measurement (``kind``: "allreduce" or "p2p") given how
+    the GPUs are linked (``torch_bench.link``): NVLink peers have absolute floors, a PCIe-only
+    node a fraction of its link rate, an unknown link the flat floors."""
+    link = link or {}
+    if link.get("kind") == "nvlink":
+        v = t.allreduce_nvlink_min_gbps if kind == "allreduce" else t.p2p_nvlink_min_gbps
+        return v, "NVLink peers"
+    if link.get("kind") == "pcie" and link.get("gbps"):
+        frac = t.allreduce_pcie_fraction if kind == "allreduce" else t.p2p_pcie_fraction
+        return round(frac * link["gbps"], 1), (
+            f"PCIe only: {frac:g} x the gen{link.get('gen')} x{link.get('width')} link's {link['gbps']:g} GB/s")
+    v = t.allreduce_min_gbps if kind == "allreduce" else t.p2p_min_gbps
+    return v, "link not known (NVML)"
 
 
 # Expected figures per GPU model (first substring match, most specific first):

@@ -4,7 +4,8 @@ torch or CUDA is missing, or {"error": ...}.
 
 KIND: gemm (BF16 TFLOPS, min over GPUs), memtest (bad bytes over fill/verify patterns),
 device_bw (device-to-device copy GB/s, read+write), h2d (pinned host-to-device GB/s),
-allreduce (NCCL bus bandwidth GB/s across the GPUs), p2p (GPU-to-GPU copy GB/s, min over pairs).
+allreduce (NCCL bus bandwidth GB/s across the GPUs, peak over 1 MiB-1 GiB messages), p2p (GPU-to-GPU
+copy GB/s, min over ordered pairs); both report how the GPUs are linked (NVML: NVLink or PCIe).
 """
 
 from __future__ import annotations
@@ -125,47 +126,118 @@ def h2d(torch, gpus: list[int], burn_s: float) -> dict:  # noqa: ANN001
     return {"value": min(per.values()), "data": {"per_gpu": per, "device_to_host_per_gpu": back, "bytes": size}}
 
 
+# per-lane rate of a PCIe link, GB/s in each direction, by generation (after line encoding)
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+# all-reduce message sizes swept: 1 MiB to 1 GiB
+ALLREDUCE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+
+
+def link(gpus: list[int]) -> dict:
+    """How the GPUs are linked, from NVML (the agent's indices are NVML's: CUDA_DEVICE_ORDER is
+    PCI_BUS_ID): {"kind": "nvlink"} when every pair reports NVLink peer-to-peer, with the
+    active NVLinks of each GPU; else {"kind": "pcie", "gen", "width", "gbps"} from the slowest
+    GPU's current PCIe link (GB/s in each direction); {"kind": "unknown", "why"} without NVML."""
+    try:
+        import pynvml as nv
+    except ImportError:
+        return {"kind": "unknown", "why": "nvidia-ml-py is not installed"}
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as e:
+        return {"kind": "unknown", "why": f"NVML: {e}"}
+    try:
+        hs = {g: nv.nvmlDeviceGetHandleByIndex(g) for g in gpus}
+        nvlink = True
+        for a in gpus:
+            for b in gpus:
+                if a != b and nv.nvmlDeviceGetP2PStatus(hs[a], hs[b], nv.NVML_P2P_CAPS_INDEX_NVLINK) != nv.NVML_P2P_STATUS_OK:
+                    nvlink = False
+        if nvlink:
+            active = {}
+            for g, h in hs.items():
+                n = 0
+                for i in range(nv.NVML_NVLINK_MAX_LINKS):
+                    try:
+                        n += nv.nvmlDeviceGetNvLinkState(h, i) == nv.NVML_FEATURE_ENABLED
+                    except nv.NVMLError:
+                        break
+                active[str(g)] = n
+            return {"kind": "nvlink", "active_links": active}
+        gens = [nv.nvmlDeviceGetCurrPcieLinkGeneration(h) for h in hs.values()]
+        widths = [nv.nvmlDeviceGetCurrPcieLinkWidth(h) for h in hs.values()]
+        gbps = min(PCIE_LANE_GBPS.get(gn, 0.0) * w for gn, w in zip(gens, widths))
+        return {"kind": "pcie", "gen": min(gens), "width": min(widths), "gbps": round(gbps, 1)}
+    except nv.NVMLError as e:
+        return {"kind": "unknown", "why": f"NVML: {e}"}
+    finally:
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+
+
 def allreduce(torch, gpus: list[int], burn_s: float) -> dict:  # noqa: ANN001
+    """NCCL all-reduce across the GPUs (one process, one communicator over them), message sizes
+    from 1 MiB to 1 GiB: the bus bandwidth of each (nccl-tests' definition: algorithm bandwidth x
+    2(n-1)/n) and the peak, which is the check's value."""
     if len(gpus) < 2:
         return {"skipped": "the node has one GPU: no intra-node allreduce"}
     import torch.cuda.nccl as nccl
 
-    size = 256 << 20
-    ts = [torch.ones(size // 4, dtype=torch.float32, device=torch.device("cuda", g)) for g in gpus]
-    nccl.all_reduce(ts)
-    for g in gpus:
-        torch.cuda.synchronize(g)
-    iters = 10
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        nccl.all_reduce(ts)
-    for g in gpus:
-        torch.cuda.synchronize(g)
-    t = time.perf_counter() - t0
     n = len(gpus)
-    busbw = size * iters / t / 1e9 * 2 * (n - 1) / n
-    return {"value": round(busbw, 2), "data": {"gpus": n, "bytes": size, "algbw_gbps": round(size * iters / t / 1e9, 2)}}
+    bufs = [torch.zeros(ALLREDUCE_SIZES[-1] // 4, dtype=torch.float32, device=torch.device("cuda", g)) for g in gpus]
+
+    def sync() -> None:
+        for g in gpus:
+            torch.cuda.synchronize(g)
+
+    curve = []
+    for size in ALLREDUCE_SIZES:
+        ts = [b[: size // 4] for b in bufs]
+        nccl.all_reduce(ts)  # warm-up (the first also sets up the communicator)
+        sync()
+        iters = max(5, min(50, (8 << 30) // size))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            nccl.all_reduce(ts)
+        sync()
+        t = (time.perf_counter() - t0) / iters
+        algbw = size / t / 1e9
+        curve.append({"bytes": size, "ms": round(t * 1000, 3), "algbw_gbps": round(algbw, 2),
+                      "busbw_gbps": round(algbw * 2 * (n - 1) / n, 2)})
+    del bufs
+    torch.cuda.empty_cache()
+    peak = max(curve, key=lambda c: c["busbw_gbps"])
+    return {"value": peak["busbw_gbps"], "data": {"gpus": n, "curve": curve, "peak_bytes": peak["bytes"],
+                                                  "link": link(gpus)}}
 
 
 def p2p(torch, gpus: list[int], burn_s: float) -> dict:  # noqa: ANN001
+    """GPU-to-GPU copy bandwidth of every ordered pair (both ways), 256 MiB copies; the value is
+    the slowest pair's."""
     if len(gpus) < 2:
         return {"skipped": "the node has one GPU: no GPU-to-GPU copy"}
     size = 256 << 20
-    src = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", gpus[0]))
+    bufs = {g: torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", g)) for g in gpus}
     per = {}
-    for g in gpus[1:]:
-        dst = torch.empty(size, dtype=torch.uint8, device=torch.device("cuda", g))
-        dst.copy_(src)
-        torch.cuda.synchronize(g)
-        iters = 10
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(g)
-        torch.cuda.synchronize(gpus[0])
-        per[f"{gpus[0]}->{g}"] = round(size * iters / (time.perf_counter() - t0) / 1e9, 2)
-        del dst
-    return {"value": min(per.values()), "data": {"per_pair": per, "bytes": size}}
+    for a in gpus:
+        for b in gpus:
+            if a == b:
+                continue
+            src, dst = bufs[a], bufs[b]
+            dst.copy_(src)
+            torch.cuda.synchronize(a)
+            torch.cuda.synchronize(b)
+            iters = 20
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(a)
+            torch.cuda.synchronize(b)
+            per[f"{a}->{b}"] = round(size * iters / (time.perf_counter() - t0) / 1e9, 2)
+    del bufs
+    torch.cuda.empty_cache()
+    return {"value": min(per.values()), "data": {"per_pair": per, "bytes": size, "link": link(gpus)}}
 
 
 BENCHES = {"gemm": gemm, "memtest": memtest, "device_bw": device_bw, "h2d": h2d, "allreduce": allreduce, "p2p": p2p}
