@@ -255,6 +255,7 @@ def test_the_link_without_a_driver_is_unknown_with_why():
     reason (the checks then use the flat floors)."""
     from hai.agent.validators import torch_bench
 
+    assert torch_bench.link([0])["kind"] == "none"  # one GPU: no pair to link
     got = torch_bench.link([0, 1])
     if got["kind"] != "unknown":
         pytest.skip(f"this machine has an NVIDIA driver: {got}")

@@ -137,6 +137,8 @@ def link(gpus: list[int]) -> dict:
     PCI_BUS_ID): {"kind": "nvlink"} when every pair reports NVLink peer-to-peer, with the
     active NVLinks of each GPU; else {"kind": "pcie", "gen", "width", "gbps"} from the slowest
     GPU's current PCIe link (GB/s in each direction); {"kind": "unknown", "why"} without NVML."""
+    if len(set(gpus)) < 2:
+        return {"kind": "none", "why": "one GPU: nothing to link"}
     try:
         import pynvml as nv
     except ImportError:
