@@ -241,14 +241,7 @@ class KeptQueue:
             gone = [byid[j.id] for j in changed if j.id in byid]
             if len(gone) < len(byid) - n_same:  # and the kept jobs no longer queued
                 gone += map(byid.__getitem__, byid.keys() - idset)
-            ok = True
-            for job in gone:
-                ok = self._remove(job) and ok
-            for job in changed:
-                self._add(job)
-            self.added, self.removed = len(changed), len(gone)
-            if not ok or len(byid) != len(queued):
-                self._rebuild(queued)  # should not happen: the kept order was not what it claimed
+            self._update(gone, changed, queued)
         self._queued = queued if type(queued) is tuple else None  # (a list may change in place)
         return [self._levels[r] for r in sorted(self._levels, reverse=True)]
 
@@ -263,27 +256,30 @@ class KeptQueue:
         if len(delta.changed) + len(delta.gone) > len(queued) // 4 + 64:
             self._rebuild(queued)
         else:
-            ok = True
-            removed = 0
-            for jid in delta.gone:
-                job = byid.get(jid)
-                if job is not None:
-                    ok = self._remove(job) and ok
-                    removed += 1
+            gone = [byid[jid] for jid in delta.gone if jid in byid]
+            changed = []
             for job in delta.changed:
                 old = byid.get(job.id)
-                if old is job:
-                    continue
-                if old is not None:
-                    ok = self._remove(old) and ok
-                    removed += 1
-                self._add(job)
-                self.added += 1
-            self.removed = removed
-            if not ok or len(byid) != len(queued):
-                self._rebuild(queued)  # the account did not match the kept order
+                if old is not job:  # (a job the account repeats unchanged is left as it is)
+                    if old is not None:
+                        gone.append(old)
+                    changed.append(job)
+            self._update(gone, changed, queued)
         self._queued = queued
         return [self._levels[r] for r in sorted(self._levels, reverse=True)]
+
+    def _update(self, gone: list[QueuedJob], changed: list[QueuedJob], queued: tuple[QueuedJob, ...]) -> None:
+        """Remove the kept objects ``gone``, add the new objects ``changed``; the kept count must
+        then be the queue's, else (the proof or the account did not match the kept order) the
+        order is built again."""
+        ok = True
+        for job in gone:
+            ok = self._remove(job) and ok
+        for job in changed:
+            self._add(job)
+        self.added, self.removed = len(changed), len(gone)
+        if not ok or len(self._byid) != len(queued):
+            self._rebuild(queued)
 
     def _rebuild(self, queued: tuple[QueuedJob, ...]) -> None:
         self._reset(self._classes)
