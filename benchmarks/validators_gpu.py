@@ -98,8 +98,9 @@ def main() -> int:
            "HAI_VALIDATION__QUICK_EVERY_HEARTBEATS": "0",  # only the runs this script asks for
            "HAI_VALIDATION__UNDRAIN_TIMEOUT_S": str(args.timeout),
            "HAI_VALIDATOR_GEMM_BURN_S": str(args.burn_s)}
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        env.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")  # NVLink multicast off, in every child too
+    # NVLink multicast off, in every child too (unless the caller set these)
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        env.setdefault(k, v)
     hai = [sys.executable, "-m", "hai.cli.main"]
     procs: list[subprocess.Popen] = []
     result: dict = {"where": socket.gethostname(), "started_at": time.time(), "mode": "fake GPUs" if args.cpu else "NVML"}

@@ -149,12 +149,8 @@ def link(gpus: list[int]) -> dict:
         return {"kind": "unknown", "why": f"NVML: {e}"}
     try:
         hs = {g: nv.nvmlDeviceGetHandleByIndex(g) for g in gpus}
-        nvlink = True
-        for a in gpus:
-            for b in gpus:
-                if a != b and nv.nvmlDeviceGetP2PStatus(hs[a], hs[b], nv.NVML_P2P_CAPS_INDEX_NVLINK) != nv.NVML_P2P_STATUS_OK:
-                    nvlink = False
-        if nvlink:
+        if all(nv.nvmlDeviceGetP2PStatus(hs[a], hs[b], nv.NVML_P2P_CAPS_INDEX_NVLINK) == nv.NVML_P2P_STATUS_OK
+               for a in gpus for b in gpus if a != b):
             active = {}
             for g, h in hs.items():
                 n = 0
