@@ -250,3 +250,58 @@ def test_the_very_queue_of_the_last_cycle_is_taken_without_reading_it(monkeypatc
     assert again.queued is not snap.queued
     assert canon(schedule(again, pol, now, kept=kept)) == canon(schedule(again, pol, now))
     assert len(read) == len(snap.queued) and kept.added == kept.removed == 0 and kept.rebuilds == 1
+
+
+def test_each_blocks_lane_keys_are_kept_across_cycles_and_equal_those_made_afresh(monkeypatch):
+    """A block keeps its jobs' fast-lane keys (``Block.lane_keys``: the lane key, plus 1 past
+    the wait threshold) from one cycle to the next, changed in place as jobs arrive and leave;
+    after every cycle of a changing queue (small blocks, so they split), with the threshold's
+    time moving on by a little or a lot, and then moved back, they are the keys made afresh."""
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 0)
+    monkeypatch.setattr(kept_mod, "_SPLIT", 64)
+    made = []
+    real = kept_mod.Block.lane_keys
+
+    def counted(self, since):
+        before = self.ek
+        got = real(self, since)
+        made.append(got is not before)
+        return got
+
+    monkeypatch.setattr(kept_mod.Block, "lane_keys", counted)
+    rng = random.Random(4)
+    pol = Policy()
+    snap = build_snapshot(120, 220, 1500, 4)
+    kept = KeptQueue()
+    now, next_id = NOW, 10_000_000
+    d = schedule(snap, pol, now, kept=kept)
+    for step in (1.0, 30.0, 900.0, 5.0, 3600.0, 30.0):
+        snap, next_id = next_snapshot(snap, d, now, step, rng, 60, 10, next_id)
+        now += step
+        d = schedule(snap, pol, now, kept=kept)
+        since = now - pol.wait_threshold_s
+        for lv in kept.sync(snap, pol):
+            for b in lv.blocks:
+                fresh = [k + (q <= since) for k, q in zip(b.keys, b.qat)]
+                assert b.lane_keys(since) == fresh
+    assert kept.rebuilds == 1 and len(lv.blocks) > 1
+    assert 0 < made.count(False) and 0 < made.count(True)  # kept in some blocks, made again in others
+    # the threshold's time moved back (another policy): every key made again
+    back = now - 7200.0 - pol.wait_threshold_s
+    for lv in kept.sync(snap, pol):
+        for b in lv.blocks:
+            assert b.lane_keys(back) == [k + (q <= back) for k, q in zip(b.keys, b.qat)]
+    # one block, step by step: a job arriving in a block whose jobs are all past the threshold
+    # gets its +1 when the threshold reaches it, not before; a job removed takes its key along
+    b = kept_mod.Block()
+    job = snap.queued[0]
+    for pos, (qat, key) in enumerate(((10.0, 2), (20.0, 4))):
+        b.insert(pos, replace(job, id=pos, queued_at=qat), key, 0, (0, qat, pos))
+    assert b.lane_keys(100.0) == [3, 5]
+    b.insert(1, replace(job, id=7, queued_at=150.0), 6, 0, (0, 15.0, 7))
+    assert b.lane_keys(120.0) == [3, 6, 5]
+    assert b.lane_keys(150.0) == [3, 7, 5]
+    b.delete(0)
+    assert b.lane_keys(200.0) == [7, 5]
+    b.insert(2, replace(job, id=8, queued_at=200.0), 8, 0, (0, 30.0, 8))  # queued at the threshold: past it
+    assert b.lane_keys(200.0) == [7, 5, 9]

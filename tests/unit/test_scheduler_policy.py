@@ -141,6 +141,25 @@ def test_a_quota_filled_during_the_cycle_blocks_later_jobs_beside_a_generous_one
     assert d.pending_reasons[c.id_of("b2")].startswith("needs 8 GPU(s) on one node")
 
 
+def test_quota_answers_are_shared_by_a_groups_users_unless_some_user_has_a_cap():
+    # the cycle asks the book once per (group, priority, GPUs), not once per user too, while
+    # no user has a cap of their own: the answer cannot depend on the user then
+    from hai.domain.scheduler.model import QueuedJob, Quota
+    from hai.domain.scheduler.quota import QuotaBook
+
+    ann, bob = (QueuedJob(i, u, "g", Priority.NORMAL, 1, 8, 0.0, 0.0) for i, u in ((1, "ann"), (2, "bob")))
+    book = QuotaBook([Quota("g", Priority.NORMAL, 8)])
+    book.charge("g", Priority.NORMAL.rank, "cat", 8)
+    assert book.blocked(ann) == book.blocked(bob) == "group g at NORMAL uses 8 of 8 GPUs; this job needs 8"
+    assert book.memo_key(ann) == book.memo_key(bob) and len(book.memo) == 1
+    # a cap of ann's own: her answer is hers, bob's is asked for him
+    book = QuotaBook([Quota("g", Priority.NORMAL, 16), Quota("g", Priority.NORMAL, 8, user="ann")])
+    book.charge("g", Priority.NORMAL.rank, "ann", 8)
+    assert book.blocked(ann) == "user ann in group g at NORMAL uses 8 of 8 GPUs; this job needs 8"
+    assert book.blocked(bob) is None
+    assert book.memo_key(ann) != book.memo_key(bob) and len(book.memo) == 2
+
+
 def test_job_larger_than_its_quota_says_so():
     c = one_node().quota("g", "NORMAL", 4).queue(job("a").group("g").gpus(8))
     d = schedule(c.snapshot(), policy(), NOW)

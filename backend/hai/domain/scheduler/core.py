@@ -36,7 +36,7 @@ import heapq
 from bisect import bisect_right
 from collections import deque
 from itertools import chain, compress, repeat
-from operator import add, attrgetter, itemgetter, le, not_
+from operator import attrgetter, itemgetter, le, not_
 from typing import Iterable
 
 from hai.domain.jobs import Priority
@@ -289,7 +289,7 @@ class _Cycle:
         place_fail, plan_fail = self.memo.place_fail, self.memo.plan_fail
         pend = self.decisions.pending_reasons
         quota = self.quota if self.quota.enabled else None
-        qmemo = self.quota.memo
+        qmemo, q_by_user = self.quota.memo, self.quota.by_user  # (its key: ``QuotaBook.memo_key``)
         cap = pol.max_preemptions_per_cycle
         mpr = self.facts.min_preemptible_rank
         prio_possible = pol.preemption and mpr is not None and mpr < rank
@@ -345,7 +345,7 @@ class _Cycle:
                 # 2. quota (a job within every cap's least headroom is within its quotas: no call)
                 if quota is not None and n * g > quota.min_headroom:
                     # the book's memo read here (a method call per job cost ~1.5% of a 10k cycle)
-                    blocked = qmemo.get((job.group, job.user, id(job.priority), n * g), _MISSING)
+                    blocked = qmemo.get((job.group, job.user if q_by_user else None, id(job.priority), n * g), _MISSING)
                     if blocked is _MISSING:
                         blocked = quota.blocked(job)
                     if blocked:
@@ -450,7 +450,7 @@ class _Cycle:
         for bi, b in enumerate(lv.blocks):
             jobs, ids, cls = b.jobs, b.ids, b.cls
             n = len(jobs)
-            ek = list(map(add, b.keys, map(le, b.qat, repeat(ts_since))))  # each job's lane key
+            ek = b.lane_keys(ts_since)  # each job's lane key (read only)
             stops = specials.get(bi, [])
             i = 0
             plan: list[int] | None = None
@@ -675,11 +675,11 @@ class _Cycle:
             vrank = table.rank[i]
             if vrank < job_rank:
                 mr = v.min_runtime_s if v.min_runtime_s is not None else pol.min_runtime_s
-                why = outranked_sentence(job, _BY_RANK[vrank].value, table.runtime[i], mr, table.lost[i])
+                why = outranked_sentence(job, _BY_RANK[vrank].value, table.runtime(i), mr, table.lost[i])
                 d.suspends.append(Suspend(v.id, why, for_job_id=job.id, code=SuspendCode.OUTRANKED))
             else:
                 why = time_sharing_sentence(
-                    job, _BY_RANK[vrank].value, table.runtime[i], pol.quantum_s, self.now - job.queued_at, table.lost[i]
+                    job, _BY_RANK[vrank].value, table.runtime(i), pol.quantum_s, self.now - job.queued_at, table.lost[i]
                 )
                 d.suspends.append(Suspend(v.id, why, for_job_id=job.id, code=SuspendCode.TIME_SHARING))
         if plan.victims:

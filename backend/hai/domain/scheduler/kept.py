@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
-from itertools import chain, compress
-from operator import attrgetter, is_, not_
+from functools import partial
+from itertools import chain, compress, repeat
+from operator import add, attrgetter, is_, le, lt, not_
 from typing import Iterable, Iterator
 
 from hai.domain.scheduler.model import Policy, QueueDelta, QueuedJob, Snapshot
@@ -40,6 +41,7 @@ from hai.domain.scheduler.victims import rank as _rank
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 _ID = attrgetter("id")
 _SPLIT = 2048  # a block holding more jobs is split in two
+_INF = float("inf")
 
 
 class Block:
@@ -47,9 +49,15 @@ class Block:
     id, its lane key (``KeptQueue._key``), when it was queued, its service class, and its sort
     key (class, first submission, id). Ids and queued times are arrays of machine numbers (a
     pass over them reads contiguous memory, not one object per job, which in queue order lie
-    scattered)."""
+    scattered).
 
-    __slots__ = ("jobs", "ids", "keys", "qat", "cls", "sk")
+    ``lane_keys``: each job's key for the cycle's fast lane (its lane key, plus 1 when it waited
+    past the threshold), kept from one cycle to the next: the threshold's time only moves on,
+    so a job past it stays past it, and until it reaches the earliest queued time of the jobs
+    not yet past it (``young``) no job's key changes."""
+
+    __slots__ = ("jobs", "ids", "keys", "qat", "cls", "sk", "ek", "since", "young")
+    _LISTS = ("jobs", "ids", "keys", "qat", "cls", "sk")
 
     def __init__(self) -> None:
         self.jobs: list[QueuedJob] = []
@@ -59,27 +67,55 @@ class Block:
         self.qat = array("d")
         self.cls: list[int] = []
         self.sk: list[tuple[int, float, int]] = []
+        # the lane keys as of the threshold time ``since`` (None: not made yet); ``young``: the
+        # earliest queued time after ``since`` (at most: a job removed may have been it)
+        self.ek: list[int] | None = None
+        self.since = self.young = 0.0
 
-    def insert(self, pos: int, job: QueuedJob, key: tuple, c: int, sk: tuple[int, float, int]) -> None:
+    def insert(self, pos: int, job: QueuedJob, key: int, c: int, sk: tuple[int, float, int]) -> None:
         self.jobs.insert(pos, job)
         self.ids.insert(pos, job.id)
         self.keys.insert(pos, key)
-        self.qat.insert(pos, job.queued_at)
+        qat = job.queued_at
+        self.qat.insert(pos, qat)
         self.cls.insert(pos, c)
         self.sk.insert(pos, sk)
+        if self.ek is not None:
+            if qat <= self.since:
+                self.ek.insert(pos, key + 1)
+            else:
+                self.ek.insert(pos, key)
+                if qat < self.young:
+                    self.young = qat
 
     def delete(self, pos: int) -> None:
         del self.jobs[pos], self.ids[pos], self.keys[pos], self.qat[pos], self.cls[pos], self.sk[pos]
+        if self.ek is not None:
+            del self.ek[pos]
 
     def split(self) -> Block:
         """Move the second half of this block to a new block (returned)."""
         h = len(self.jobs) // 2
         b = Block()
-        for name in Block.__slots__:
+        for name in Block._LISTS:
             lst = getattr(self, name)
             setattr(b, name, lst[h:])
             del lst[h:]
+        self.ek = None  # (both made again when next asked)
         return b
+
+    def lane_keys(self, since: float) -> list[int]:
+        """Each job's fast-lane key with ``since`` the threshold time (queued at or before it:
+        past the threshold, key + 1). Read only."""
+        ek = self.ek
+        if ek is not None and self.since <= since < self.young:
+            self.since = since  # no job reached the threshold since the keys were made
+            return ek
+        qat = self.qat
+        ek = self.ek = list(map(add, self.keys, map(le, qat, repeat(since))))
+        self.since = since
+        self.young = min(filter(partial(lt, since), qat), default=_INF)  # the jobs not past it
+        return ek
 
 
 class Level:

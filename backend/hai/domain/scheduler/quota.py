@@ -34,6 +34,9 @@ class QuotaBook:
                 ukey = (q.group, q.priority.rank, q.user)
                 self.user_limit[ukey] = min(q.gpus, self.user_limit.get(ukey, q.gpus))
         self.enabled = bool(self.group_limit or self.user_limit)
+        # whether an answer depends on the user (some user has a cap); when not, the memo's
+        # answers are shared by the group's users (``memo_key``)
+        self.by_user = bool(self.user_limit)
         self.group_used: dict[tuple[str, int], int] = {}
         self.user_used: dict[tuple[str, int, str], int] = {}  # kept only when a user has a cap (read only then)
         self._memo: dict[tuple, str | None] = {}  # answers since the last charge
@@ -88,15 +91,20 @@ class QuotaBook:
 
     @property
     def memo(self) -> dict[tuple, str | None]:
-        """``blocked``'s answers since the last charge, by (group, user, id(priority), GPUs):
-        a caller in a hot loop may read an answer here before calling (emptied in place)."""
+        """``blocked``'s answers since the last charge, by ``memo_key``: a caller in a hot loop
+        may read an answer here before calling (emptied in place)."""
         return self._memo
+
+    def memo_key(self, job: QueuedJob) -> tuple:
+        """(group, user or None when no user has a cap, id(priority), GPUs): what an answer
+        depends on."""
+        return (job.group, job.user if self.by_user else None, id(job.priority), job.nodes * job.gpus_per_node)
 
     def blocked(self, job: QueuedJob) -> str | None:
         """None when the job may start within its quotas; else why not, in words."""
         if not self.enabled or job.nodes * job.gpus_per_node <= self.min_headroom:
             return None
-        memo_key = (job.group, job.user, id(job.priority), job.nodes * job.gpus_per_node)
+        memo_key = self.memo_key(job)
         got = self._memo.get(memo_key, _MISSING)
         if got is _MISSING:
             got = self._memo[memo_key] = self._blocked(job)

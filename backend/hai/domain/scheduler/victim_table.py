@@ -181,14 +181,15 @@ class RunningTable:
         self.rank = eff_rank
         self.min_ok = min_ok
         self.quantum_ok = quantum_ok
+        self.now = now
         n = len(jobs)
-        self.runtime = [0.0] * n
         self.gpus = [0] * n
         self.lost = [0.0] * n
         self.chosen = [False] * n
         holders: list[list[tuple[int, int]]] = [[] for _ in index.slots]
         self.holders = holders
-        self.nodes_of: list[list[int]] = [[] for _ in jobs]
+        # the nodes of each indexed job (a tuple; the empty one for the others)
+        self.nodes_of: list[tuple[int, ...]] = [()] * n
         self.pending_for: dict[int, list[int]] = {}
         self._singles: dict[int, SortedPairs] | None = None
         self._zones: list[ZoneClasses] | None = None
@@ -203,7 +204,7 @@ class RunningTable:
         po: list[int] = []
         pairs_ok = True
         pj_add, pg_add, po_add = pj.append, pg.append, po.append
-        nodes_of, gpus, runtime, lost, pending_for = self.nodes_of, self.gpus, self.runtime, self.lost, self.pending_for
+        nodes_of, gpus, lost, pending_for = self.nodes_of, self.gpus, self.lost, self.pending_for
         for i in members:
             j = jobs[i]
             allocs = j.allocations
@@ -215,13 +216,13 @@ class RunningTable:
                     o = slot.ord
                     held[o] += g
                     holders[o].append((i, g))
-                    nodes_of[i].append(o)
+                    nodes_of[i] = (o,)
                     pj_add(i)
                     pg_add(g)
                     po_add(o)
             else:
                 g = 0
-                mine = nodes_of[i]
+                mine: list[int] = []
                 for a in allocs:
                     k = len(a.gpus)
                     g += k
@@ -242,17 +243,20 @@ class RunningTable:
                     pj_add(i)
                     pg_add(k)
                     po_add(o)
+                nodes_of[i] = tuple(mine)
             gpus[i] = g
-            started = j.started_at
-            runtime[i] = now - started
             ckpt = j.last_checkpoint_at
-            since = now - (started if ckpt is None else ckpt)
+            since = now - (j.started_at if ckpt is None else ckpt)
             lost[i] = g * since if since > 0.0 else 0.0  # (as g * max(0.0, since))
             if j.suspend_requested_for is not None:
                 pending_for.setdefault(j.suspend_requested_for, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
         self._pairs = (pj, pg, po) if pairs_ok else None
+
+    def runtime(self, i: int) -> float:
+        """How long job ``i`` has run (its explanation)."""
+        return self.now - self.jobs[i].started_at
 
     def singles(self) -> dict[int, SortedPairs]:
         """GPUs on the node -> every (possible victim, node) pair with that many GPUs, least lost
