@@ -915,11 +915,12 @@ class _Cycle:
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
                 heap.append((job.first_submitted_at, job.id, 0, k, 0))
-            members: dict[tuple[int, int], list[QueuedJob]] = {}
+            # shape -> the group's jobs in FIFO order; with the kept queue their ids (the kept
+            # lane appended ids only), each job read by id when its turn comes: a group whose
+            # first job finds no victims is not read further
+            members: dict[tuple[int, int], list] = {}
             for shape, (_r, _e, lst, ids) in groups.get(user, {}).items():
-                if byid is not None:  # the kept lane appended ids only: the jobs by id
-                    lst = list(map(byid.__getitem__, ids))
-                members[shape] = lst
+                members[shape] = lst if byid is None else ids
                 heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
             heapq.heapify(heap)
             while heap:
@@ -930,13 +931,14 @@ class _Cycle:
                     continue
                 reason, epoch, _lst, _ids = groups[user][key]
                 lst = members[key]
-                ok, deferred = self._ts_one(lst[pos], reason, epoch)
+                ok, deferred = self._ts_one(lst[pos] if byid is None else byid[lst[pos]], reason, epoch)
                 if ok:
                     if pos + 1 < len(lst):
-                        nxt = lst[pos + 1]
+                        nxt = lst[pos + 1] if byid is None else byid[lst[pos + 1]]
                         heapq.heappush(heap, (nxt.first_submitted_at, nxt.id, 1, key, pos + 1))
                 elif deferred:  # the rest of the group is deferred too, not out of victims
-                    for job in lst[pos + 1 :]:
+                    rest = lst[pos + 1 :] if byid is None else map(byid.__getitem__, lst[pos + 1 :])
+                    for job in rest:
                         pend[job.id] = reason + self._note(job, True, True)
 
     # -- 5. retry ---------------------------------------------------------------------------------
