@@ -63,24 +63,15 @@ class SortedPairs:
         return self._reading()
 
     def _reading(self) -> Iterator[VictimOnNode]:
-        done, heap = self.done, self.heap
         k = 0
-        while True:
-            if k == len(done):
-                if not heap:
-                    return
-                if k >= 64:  # read deep (plans whose first pairs do not fit): sort the rest at once
-                    heap.sort()
-                    done.extend(heap)
-                    heap.clear()
-                    yield from done[k:]
-                    return
-                done.append(heapq.heappop(heap))
-            yield done[k]
+        while (e := self._at(k)) is not None:
+            yield e
             k += 1
 
     def _at(self, k: int) -> VictimOnNode | None:
-        """The ``k``-th pair in order (None past the last), sorted as far as that (as ``_reading``)."""
+        """The ``k``-th pair in order (None past the last), sorted as far as that: popped from
+        the heap one by one, and past the first 64 (read deep: plans whose first pairs do not
+        fit) the rest sorted at once."""
         done, heap = self.done, self.heap
         while k >= len(done):
             if not heap:
