@@ -73,7 +73,8 @@ class _App(FastAPI):
 
     def build_middleware_stack(self):  # noqa: ANN201
         stack = super().build_middleware_stack()
-        return guards.BodyLimit(agent.SteadyHeartbeats(stack, owner=self), max_bytes=self.max_body_bytes)
+        early = jobs.EarlySubmissions(agent.SteadyHeartbeats(stack, owner=self), owner=self)
+        return guards.BodyLimit(early, max_bytes=self.max_body_bytes)
 
 
 def server_app() -> FastAPI:

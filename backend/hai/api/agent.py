@@ -6,10 +6,9 @@ import logging
 import time
 
 from fastapi import APIRouter, Request, Response
-from fastapi.security.utils import get_authorization_scheme_param
 from starlette.concurrency import run_in_threadpool
 
-from hai.api import deps
+from hai.api.early import EarlyAnswer
 from hai.api.deps import AgentPrincipal, PlatformDep
 from hai.protocol import AgentHello, Heartbeat, LogAck, LogBatch, ServerReply
 from hai.services import agents as agent_service
@@ -117,78 +116,36 @@ def logs(batch: LogBatch, platform: PlatformDep, _agent: AgentPrincipal) -> LogA
         return LogAck(accepted=accepted)
 
 
-class SteadyHeartbeats:
-    """Pure ASGI middleware (issue 12): a steady heartbeat answered before routing.
+class SteadyHeartbeats(EarlyAnswer):
+    """A steady heartbeat answered before routing (issue 12, ``hai.api.early``).
 
     At 1,250 agents a second nearly every request is a heartbeat that changes nothing, which
     the reply cache answers without the database; what it still cost was the framework around it
     (routing, dependency resolution, the body's second validation as a route parameter, the
     response's middleware), about two thirds of a cached answer's CPU (py-spy ``--gil`` of the
-    workers during agent_fanin.py). Here such a heartbeat is recognised and answered from the
-    same cache with the same bytes, by the same rules as the route's own cached branch: an agent
-    credential already in this process's token cache, a JSON body that validates as a
-    ``Heartbeat`` of a supported version, no long poll, and an entry that ``ReplyCache.lookup``
-    and ``answer`` accept. Anything else (no or unknown credential, another body, a miss) goes on
-    to the application unchanged, with the body as read, so errors, 401/403/422/426 and full
-    passes stay the route's. Installed just inside ``BodyLimit`` and outside FastAPI's and
-    Starlette's own middleware (``hai.main._App``): the body is within the limit here, and
-    ``owner`` is the application whose state (platform, caches) it reads."""
+    workers during agent_fanin.py). Here such a heartbeat is answered from the same cache with the
+    same bytes, by the same rules as the route's own cached branch: an agent credential already in
+    this process's token cache, a JSON body that validates as a ``Heartbeat`` of a supported
+    version, no long poll, and an entry that ``ReplyCache.lookup`` and ``answer`` accept. Anything
+    else (a miss, another body) goes on to the route, so errors, 401/403/422/426 and full passes
+    stay the route's."""
 
-    def __init__(self, app, *, owner) -> None:  # noqa: ANN001
-        self.app = app
-        self.owner = owner
-        self.answered = 0
+    path = HEARTBEAT_PATH
+    principal_kind = "agent"
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        if scope["type"] != "http" or scope["path"] != HEARTBEAT_PATH or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        scope["app"] = self.owner  # as Starlette sets it, for the Request below and the app inside
-        request = Request(scope)
-        platform = self.owner.state.platform
-        authorization = content_type = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value
-            elif name == b"content-type":
-                content_type = value
-        cache = _reply_cache(request, platform) if platform is not None else None
-        if cache is None or authorization is None or content_type is None \
-                or not content_type.split(b";", 1)[0].strip().lower() == b"application/json":
-            return await self.app(scope, receive, send)
-        scheme, token = get_authorization_scheme_param(authorization.decode("latin-1"))
-        if scheme.lower() != "bearer" or not token:
-            return await self.app(scope, receive, send)
-        principal = deps._token_cache(request, platform).get(token, version=deps._tokens_version(platform))
-        if principal is None or principal.kind != "agent":
-            return await self.app(scope, receive, send)
+    def applies(self, request: Request, platform, headers: dict[bytes, bytes]) -> bool:  # noqa: ANN001
+        return _reply_cache(request, platform) is not None
 
-        messages = []
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
-
-        async def replay():  # noqa: ANN202 - the body as read, then the connection's own messages
-            return messages.pop(0) if messages else await receive()
-
-        if messages[-1]["type"] != "http.request":  # the client went away
-            return await self.app(scope, replay, send)
+    async def answer(self, request: Request, platform, principal, body: bytes):  # noqa: ANN001, ANN201
         try:
-            hb = Heartbeat.model_validate_json(b"".join(m.get("body", b"") for m in messages))
+            hb = Heartbeat.model_validate_json(body)
             agent_service.check_version(hb.protocol_version)
         except Exception:  # noqa: BLE001 - the route refuses it with its own error
-            return await self.app(scope, replay, send)
+            return None
         if hb.wait_s > 0:
-            return await self.app(scope, replay, send)
-        steady, _, _ = _answer_steady(cache, platform.notifier, hb)
-        if steady is None:
-            return await self.app(scope, replay, send)
-        self.answered += 1
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(steady.body)).encode()),
-                                (b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": steady.body})
+            return None
+        steady, _, _ = _answer_steady(_reply_cache(request, platform), platform.notifier, hb)
+        return None if steady is None else (200, steady.body)
 
 
 class QuietHeartbeats(logging.Filter):

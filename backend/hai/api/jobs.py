@@ -1,18 +1,23 @@
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Callable
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import PlainTextResponse
+from pydantic import TypeAdapter
 from sse_starlette.sse import EventSourceResponse
 from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import BearerCredentials, CurrentUser, PlatformDep, SessionDep, user_in_thread
+from hai.api.early import EarlyAnswer
 from hai.domain.jobs import JobState
 from hai.schemas.jobs import JobBatchCreate, JobBatchRead, JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
 from hai.services import logs as log_service
 from hai.services import submissions
+from hai.services.auth import Principal
+from hai.services.context import Platform
 from hai.services.job_views import CountMode, job_list_json, job_read, list_jobs as list_job_page
 
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
@@ -57,18 +62,51 @@ async def submit(
 ) -> JobRead:
     # issue 12: the token look-up and the submission share one session and one worker thread
     # (CurrentUser + SessionDep would take a connection and a thread hop each)
-    def work() -> submissions.Submitted:
-        with platform.sessions() as session:
-            user = user_in_thread(request, platform, creds, session)
-            return submissions.submit(
-                session=session, spec=spec, user=user, limits=platform.settings.limits,
-                idempotency_key=idempotency_key,
-            )
-
-    done = await run_in_threadpool(work)
+    done = await run_in_threadpool(_submit, platform, spec, idempotency_key,
+                                   lambda session: user_in_thread(request, platform, creds, session))
     if done.replayed:
         response.status_code = status.HTTP_200_OK
     return done.job
+
+
+def _submit(platform: Platform, spec: JobCreate, idempotency_key: str | None,
+            user_of: Callable[[object], Principal]) -> submissions.Submitted:
+    """A submission's whole work, in a worker thread: one session, the user from ``user_of(session)``."""
+    with platform.sessions() as session:
+        return submissions.submit(session=session, spec=spec, user=user_of(session),
+                                  limits=platform.settings.limits, idempotency_key=idempotency_key)
+
+
+_JOB_READ = TypeAdapter(JobRead)
+
+
+class EarlySubmissions(EarlyAnswer):
+    """``POST /api/v1/jobs`` answered before routing (issue 12, ``hai.api.early``): one job a request
+    is how a CI or a script submits, and the framework around the route was as much of a
+    submission's server CPU as the submission itself (py-spy ``--gil`` during api_load.py: routing,
+    dependencies and the middleware's layers ~35%). The same work as the route (``_submit``) for a
+    user credential already in the token cache and a body that validates as a ``JobCreate`` as
+    FastAPI validates it (``json.loads``, then the model); the same 201 body as the route's
+    response model makes; a refusal (422 no fit, 429 queue full, 503 database away) is the
+    application's exception handler's answer. Left to the route: an ``Idempotency-Key`` (its
+    replay and 200), a body that does not validate (the route's 422 names the field), a credential
+    not cached (the look-up, its failures' throttle)."""
+
+    path = router.prefix
+
+    def applies(self, request: Request, platform, headers: dict[bytes, bytes]) -> bool:  # noqa: ANN001
+        return b"idempotency-key" not in headers
+
+    async def answer(self, request: Request, platform, principal, body: bytes):  # noqa: ANN001, ANN201
+        try:
+            spec = JobCreate.model_validate(json.loads(body))
+        except Exception:  # noqa: BLE001 - not JSON or not a job: the route's 422 names the field
+            return None
+        try:
+            done = await run_in_threadpool(_submit, platform, spec, None, lambda _session: principal)
+        except Exception as exc:  # noqa: BLE001 - refused (nothing written) or the database away
+            return await self.handled(request, exc)
+        return status.HTTP_201_CREATED, _JOB_READ.dump_json(done.job, by_alias=True)
 
 
 @router.post(
