@@ -220,12 +220,15 @@ def test_a_kept_job_is_kept_against_time_sharing_too_when_asked(factor, against_
         ),
     ],
 )
-def test_the_waiting_job_is_told_which_jobs_are_kept_and_why(knobs, note):
-    # resumed 1 h ago with 80,000 GPU-s (10,000 s on 8 GPUs), submitted 30 h ago: kept by either knob
-    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False, **knobs)
+@pytest.mark.parametrize("cap", [32, 0], ids=["victims-built", "counts-only"])
+def test_the_waiting_job_is_told_which_jobs_are_kept_and_why(knobs, note, cap):
+    # resumed 1 h ago with 80,000 GPU-s (10,000 s on 8 GPUs), submitted 30 h ago: kept by either knob.
+    # cap 0: no preemption is tried, so the kept jobs are counted without building any victim list
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, time_sharing=False,
+                 max_preemptions_per_cycle=cap, **knobs)
     c = one_node().run(job("long").submitted(NOW - 30 * 3600).started(NOW - 3600).attained(80_000).user("bob"))
     d = schedule(c.queue(job("short").submitted(NOW - 5)).snapshot(), pol, NOW)
-    assert len(d.suspends) == (0 if note else 1)
+    assert len(d.suspends) == (0 if note or not cap else 1)
     reason = d.pending_reasons[c.id_of("short")]
     if note is None:
         assert "keep their GPUs" not in reason

@@ -253,7 +253,7 @@ class _Cycle:
         self._las_fail: dict[tuple[int, int], int] = {}  # (rank, class) -> fewest GPUs that found no victims
         # jobs kept against least-attained-service suspension by a knob (grown quantum, long wait)
         self._keeps = bool(policy.service_quantum_factor or policy.service_protect_wait_factor) and bool(self.classes)
-        self._las_kept: list[int] = []  # per service class: one-node jobs kept by those knobs
+        self._las_kept: list[int] | None = None  # per service class: one-node jobs kept by those knobs
 
     def _reserved_in_queue_order(self) -> list[QueuedJob]:
         """The queued jobs with reserved nodes, in queue order: found in the snapshot's own
@@ -734,7 +734,8 @@ class _Cycle:
     def _kept_note(self, c: int) -> str:
         """One-node jobs in classes above ``c`` that a knob keeps on their GPUs (they would
         otherwise be suspended for a job of class ``c``)."""
-        self._las_victims()
+        if self._las_kept is None:
+            self._las_scan(victims=False)  # the counts only: no victim lists unless preemption asks
         k = sum(self._las_kept[c + 1 :])
         if not k:
             return ""
@@ -754,45 +755,55 @@ class _Cycle:
         checkpoint), highest class first, then least GPU-time lost. Built once per cycle, when
         asked."""
         if self._las_nodes is None:
-            nodes: dict[int, list[tuple]] = {}
-            pol, now, th = self.policy, self.now, self.classes
-            qf, qmc, pwf = pol.service_quantum_factor, pol.service_quantum_min_class, pol.service_protect_wait_factor
-            eff, susp = self.facts.eff_rank, self.facts.susp_mark
-            by_name = self.index.by_name
-            th0, min_rt = th[0], pol.min_runtime_s
-            slack = pol.service_checkpoint_slack_s
-            kept = self._las_kept = [0] * (len(th) + 1)
-            for i, r in enumerate(self.snap.running):
-                allocs = r.allocations
-                if susp[i] or len(allocs) != 1:
-                    continue
-                ran = now - r.started_at
-                mr = r.min_runtime_s
-                if ran < (min_rt if mr is None else mr):
-                    continue  # its minimum runtime
-                g = len(allocs[0].gpus)  # its GPU count (one allocation)
-                a0 = r.attained_gpu_s
-                attained = a0 + ran * g
-                if qf and ran < qf * a0 / (g if g > 1 else 1) and (not qmc or bisect_right(th, attained) >= qmc):
-                    kept[bisect_right(th, attained)] += 1
-                    continue  # the quantum its attained service earned
-                if attained < th0:
-                    continue  # service class 0: never a victim here
-                if pwf and (now - r.first_submitted_at) * g >= (1.0 + pwf) * attained:
-                    kept[bisect_right(th, attained)] += 1
-                    continue  # it waited at least pwf times the time it ran: kept until it has run enough
-                slot = by_name.get(allocs[0].node)
-                if slot is None:
-                    continue
-                since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
-                if slack and now - since > slack:
-                    continue  # too far from its last checkpoint: a victim again at its next one
-                c = bisect_right(th, attained)
-                nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
-            for lst in nodes.values():
-                lst.sort()
-            self._las_nodes = nodes
+            self._las_scan(victims=True)
         return self._las_nodes
+
+    def _las_scan(self, *, victims: bool) -> None:
+        """One pass over the running jobs: ``_las_kept`` (per service class, the one-node jobs
+        that a knob keeps on their GPUs) and, with ``victims``, ``_las_nodes`` (``_las_victims``).
+        Without: the counts alone, for the waiting jobs' notes (issue 12: a cycle that preempts
+        nobody this way built every node's victim list only to count the kept jobs)."""
+        nodes: dict[int, list[tuple]] = {}
+        pol, now, th = self.policy, self.now, self.classes
+        qf, qmc, pwf = pol.service_quantum_factor, pol.service_quantum_min_class, pol.service_protect_wait_factor
+        eff, susp = self.facts.eff_rank, self.facts.susp_mark
+        by_name = self.index.by_name
+        th0, min_rt = th[0], pol.min_runtime_s
+        slack = pol.service_checkpoint_slack_s
+        kept = self._las_kept = [0] * (len(th) + 1)
+        for i, r in enumerate(self.snap.running):
+            allocs = r.allocations
+            if susp[i] or len(allocs) != 1:
+                continue
+            ran = now - r.started_at
+            mr = r.min_runtime_s
+            if ran < (min_rt if mr is None else mr):
+                continue  # its minimum runtime
+            g = len(allocs[0].gpus)  # its GPU count (one allocation)
+            a0 = r.attained_gpu_s
+            attained = a0 + ran * g
+            if qf and ran < qf * a0 / (g if g > 1 else 1) and (not qmc or bisect_right(th, attained) >= qmc):
+                kept[bisect_right(th, attained)] += 1
+                continue  # the quantum its attained service earned
+            if attained < th0:
+                continue  # service class 0: never a victim here
+            if pwf and (now - r.first_submitted_at) * g >= (1.0 + pwf) * attained:
+                kept[bisect_right(th, attained)] += 1
+                continue  # it waited at least pwf times the time it ran: kept until it has run enough
+            if not victims:
+                continue
+            slot = by_name.get(allocs[0].node)
+            if slot is None:
+                continue
+            since = r.last_checkpoint_at if r.last_checkpoint_at is not None else r.started_at
+            if slack and now - since > slack:
+                continue  # too far from its last checkpoint: a victim again at its next one
+            c = bisect_right(th, attained)
+            nodes.setdefault(slot.ord, []).append((-c, g * max(0.0, now - since), i, eff[i], g, attained))
+        for lst in nodes.values():
+            lst.sort()
+        if victims:
+            self._las_nodes = nodes
 
     def _las_preempt(self, job: QueuedJob, rank: int, wcls: int) -> bool:
         """A one-node waiting job in service class ``wcls``: the node where suspending jobs of its
