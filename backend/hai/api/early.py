@@ -2,8 +2,9 @@
 
 At 1,250 agents nearly every request is a steady heartbeat, and a CI that submits in bursts sends
 one job per request; in both, FastAPI's and Starlette's layers around the route (routing,
-dependency resolution, the middleware stack and its wrapped ``send``) cost as much as the route's
-own work (py-spy ``--gil`` of the workers, benchmarks/README.md). ``EarlyAnswer`` recognises such a
+dependency resolution, the middleware stack and its wrapped ``send``) were a large share of the
+server's CPU: two thirds of a cached heartbeat's (py-spy ``--gil`` of the workers), a fifth of a
+submission's instructions (callgrind, benchmarks/README.md). ``EarlyAnswer`` recognises such a
 request by its method and exact path, a bearer credential already in this process's token cache
 (of the kind the route takes), a JSON body, and whatever the subclass asks for, and answers it by
 the route's own rules; anything else (no or unknown credential, another body, a header the fast
@@ -51,7 +52,7 @@ class EarlyAnswer:
         handlers = self.owner.exception_handlers
         for cls in type(exc).__mro__:
             if cls in handlers:
-                return await handlers[cls](request, exc)
+                return await handlers[cls](request, exc)  # the application's handlers are coroutines
         raise exc
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
