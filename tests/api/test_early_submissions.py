@@ -1,7 +1,9 @@
 """POST /api/v1/jobs answered before routing (issue 12, ``EarlySubmissions``): for a cached user
-credential and a valid body it does the route's work and gives the route's answer (the same
-status, headers and body, the same refusals, nothing written on a refusal); everything else
-reaches the route as it was sent."""
+credential, a valid body and a valid or no Idempotency-Key it does the route's work and gives the
+route's answer (the same status, headers and body, the same replays and refusals, nothing written
+on a refusal); everything else reaches the route as it was sent. The route's answer to compare
+with is had by forgetting the process's cached credentials (an uncached credential is the
+route's)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from hai.api.jobs import EarlySubmissions
-from hai.db.models import Job, JobEvent
+from hai.db.models import IdempotencyKey, Job, JobEvent
 from hai.settings import LimitsSettings, Settings
 
 BODY = {"name": "ci", "command": ["python", "train.py", "--lr", "3e-4"], "gpus_per_node": 2,
@@ -31,9 +33,15 @@ def _early(api) -> EarlySubmissions:
     return layer
 
 
-def _rows(api) -> tuple[int, int]:
+def _rows(api) -> tuple[int, int, int]:
     with api.platform.sessions() as s:
-        return s.scalar(select(func.count(Job.id))), s.scalar(select(func.count(JobEvent.id)))
+        return (s.scalar(select(func.count(Job.id))), s.scalar(select(func.count(JobEvent.id))),
+                s.scalar(select(func.count(IdempotencyKey.id))))
+
+
+def _forget_credentials(api) -> None:
+    """The next request's credential is looked up by the route (and cached again)."""
+    api.client.app.state.token_cache = None
 
 
 def _post(api, body, *, token=None, key=None, **headers):
@@ -56,7 +64,8 @@ def test_a_cached_users_submission_is_answered_early_as_the_route_answers_it(api
     fast = _post(api, BODY)
     assert fast.status_code == 201, fast.text
     assert early.answered == 1
-    routed = _post(api, BODY, key="k-1")  # an Idempotency-Key is the route's
+    _forget_credentials(api)
+    routed = _post(api, BODY)
     assert routed.status_code == 201, routed.text
     assert early.answered == 1
     assert fast.headers["content-type"] == routed.headers["content-type"] == "application/json"
@@ -71,7 +80,7 @@ def test_a_cached_users_submission_is_answered_early_as_the_route_answers_it(api
     # written: the job and its event, as the route writes them
     stored = api.get(f"/api/v1/jobs/{job['id']}").json()
     assert _stable(stored) == _stable(job) and stored["id"] == job["id"]
-    assert _rows(api) == (3, 3)
+    assert _rows(api) == (3, 3, 0)
 
 
 def test_refusals_are_the_routes_and_write_nothing(api):
@@ -81,22 +90,24 @@ def test_refusals_are_the_routes_and_write_nothing(api):
     answered = early.answered
 
     too_big = _post(api, BODY | {"gpus_per_node": 8, "nodes": 2})  # no placement can ever fit
-    too_big_routed = _post(api, BODY | {"gpus_per_node": 8, "nodes": 2}, key="big")
+    _forget_credentials(api)
+    too_big_routed = _post(api, BODY | {"gpus_per_node": 8, "nodes": 2})
     assert too_big.status_code == too_big_routed.status_code == 422, too_big.text
     assert too_big.json() == too_big_routed.json()
     assert too_big.json()["detail"][0]["loc"][:2] == ["body", "nodes"]
     assert early.answered == answered + 1  # answered early, with the application's own error
-    assert _rows(api) == (1, 1)
+    assert _rows(api) == (1, 1, 0)
 
     for _ in range(2):
         assert _post(api, BODY).status_code == 201
     full = _post(api, BODY)  # the user's limit of 3 queued jobs
-    full_routed = _post(api, BODY, key="full")
+    _forget_credentials(api)
+    full_routed = _post(api, BODY)
     assert full.status_code == full_routed.status_code == 429, full.text
     assert full.json() == full_routed.json()
     assert "3 queued job(s)" in full.json()["detail"]
     assert early.answered == answered + 4
-    assert _rows(api) == (3, 3)
+    assert _rows(api) == (3, 3, 0)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +125,7 @@ def test_a_body_that_is_not_a_job_reaches_the_routes_422(api, body, field):
     assert early.answered == answered
     if field is not None:
         assert r.json()["detail"][0]["loc"] == ["body", field]
-    assert _rows(api) == (1, 1)
+    assert _rows(api) == (1, 1, 0)
 
 
 def test_what_is_not_a_cached_users_json_submission_reaches_the_route(api):
@@ -131,4 +142,61 @@ def test_what_is_not_a_cached_users_json_submission_reaches_the_route(api):
                            headers=api.h(api.alice) | {"Content-Type": "text/plain"})
     assert text.status_code == 422, text.text
     assert early.answered == answered
-    assert _rows(api) == (1, 1)
+    assert _rows(api) == (1, 1, 0)
+
+
+def test_keys_are_answered_early_as_the_route_answers_them(api):
+    """``hai submit`` sends an Idempotency-Key with every job: its first use, a replay (200, the
+    same job) and its reuse with another body (422 on the header), early and through the route."""
+    api.register_node("n0")
+    early = _early(api)
+    assert _post(api, BODY).status_code == 201  # caches alice's credential
+    answered = early.answered
+    first = _post(api, BODY, key="ci-run-7")
+    assert first.status_code == 201, first.text
+    replay = _post(api, BODY | {"nodes": 1}, key="ci-run-7")  # the same request, a default written out
+    assert replay.status_code == 200, replay.text
+    assert replay.content == first.content  # the same job, the same bytes
+    other = _post(api, BODY | {"name": "other"}, key="ci-run-7")
+    assert other.status_code == 422, other.text
+    assert early.answered == answered + 3
+    _forget_credentials(api)
+    routed_replay = _post(api, BODY, key="ci-run-7")
+    _forget_credentials(api)
+    routed_other = _post(api, BODY | {"name": "other"}, key="ci-run-7")
+    assert early.answered == answered + 3
+    assert routed_replay.status_code == 200 and routed_replay.content == replay.content
+    assert routed_other.status_code == 422 and routed_other.json() == other.json()
+    assert other.json()["detail"][0]["loc"][-1] == "Idempotency-Key"
+    assert _rows(api) == (2, 2, 1)
+    # another user's same key is another job
+    bob = _post(api, BODY, token=api.bob, key="ci-run-7")
+    bob_again = _post(api, BODY, token=api.bob, key="ci-run-7")
+    assert (bob.status_code, bob_again.status_code) == (201, 200)
+    assert bob.json()["id"] == bob_again.json()["id"] != first.json()["id"] and bob.json()["user"] == "bob"
+    assert early.answered == answered + 4  # bob's first request looked his credential up
+    assert _rows(api) == (3, 3, 2)
+
+
+@pytest.mark.parametrize("key", ["has space", "x" * 256, "", "caf\u00e9"], ids=["space", "too-long", "empty", "latin-1"])
+def test_a_key_the_routes_rules_refuse_reaches_the_routes_422(api, key):
+    api.register_node("n0")
+    early = _early(api)
+    assert _post(api, BODY).status_code == 201
+    answered = early.answered
+    r = api.client.post("/api/v1/jobs", json=BODY,
+                        headers=[("Authorization", f"Bearer {api.alice}"), ("Idempotency-Key", key.encode("latin-1"))])
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == ["header", "Idempotency-Key"]
+    assert early.answered == answered
+    assert _rows(api) == (1, 1, 0)
+
+
+def test_two_keys_reach_the_route(api):
+    api.register_node("n0")
+    early = _early(api)
+    assert _post(api, BODY).status_code == 201
+    answered = early.answered
+    api.client.post("/api/v1/jobs", json=BODY, headers=[("Authorization", f"Bearer {api.alice}"),
+                                                         ("Idempotency-Key", "a"), ("Idempotency-Key", "b")])
+    assert early.answered == answered

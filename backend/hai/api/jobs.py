@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Callable
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -23,6 +24,10 @@ from hai.services.job_views import CountMode, job_list_json, job_read, list_jobs
 router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 
+KEY_PATTERN = r"^[\x21-\x7e]+$"  # printable ASCII, no space
+KEY_MAX = 255
+
+
 def _idempotency_key(max_length: int, made: str) -> object:
     """The ``Idempotency-Key`` header of a submission that creates ``made``; a key holds no space
     (a batch's keys of its later jobs do: ``jobs.batch_keys``)."""
@@ -32,14 +37,14 @@ def _idempotency_key(max_length: int, made: str) -> object:
             alias="Idempotency-Key",
             min_length=1,
             max_length=max_length,
-            pattern=r"^[\x21-\x7e]+$",
+            pattern=KEY_PATTERN,
             description=f"a client-chosen unique key (e.g. a UUID): a retry with the same key and body returns the "
             f"{made} the first request created (200) instead of new ones; the same key with another body is a 422",
         ),
     ]
 
 
-IdempotencyKeyHeader = _idempotency_key(255, "job")
+IdempotencyKeyHeader = _idempotency_key(KEY_MAX, "job")
 BatchIdempotencyKeyHeader = _idempotency_key(250, "jobs")  # room for the suffix of its later jobs' keys
 
 
@@ -82,31 +87,37 @@ _JOB_READ = TypeAdapter(JobRead)
 
 class EarlySubmissions(EarlyAnswer):
     """``POST /api/v1/jobs`` answered before routing (issue 12, ``hai.api.early``): one job a request
-    is how a CI or a script submits, and the framework around the route (routing, dependencies,
-    the middleware's layers around the request and each ``send``) was a fifth of a submission's
-    server instructions (callgrind: 4.14 M -> 3.31 M without it). The same work as the route (``_submit``) for a
-    user credential already in the token cache and a body that validates as a ``JobCreate`` as
-    FastAPI validates it (``json.loads``, then the model); the same 201 body as the route's
-    response model makes; a refusal (422 no fit, 429 queue full, 503 database away) is the
-    application's exception handler's answer. Left to the route: an ``Idempotency-Key`` (its
-    replay and 200), a body that does not validate (the route's 422 names the field), a credential
-    not cached (the look-up, its failures' throttle)."""
+    is how a CI, a script and ``hai submit`` submit, and the framework around the route (routing,
+    dependencies, the middleware's layers around the request and each ``send``) was a fifth of a
+    submission's server instructions (callgrind: 4.14 M -> 3.31 M without it). The same work as
+    the route (``_submit``) for a user credential already in the token cache, a body that
+    validates as a ``JobCreate`` as FastAPI validates it (``json.loads``, then the model) and at
+    most one ``Idempotency-Key`` that the route's header rules accept; the same answer: 201 with
+    the bytes of the route's response model, 200 for a key's replay; a refusal (422 no fit or a key
+    reused with another body, 429 queue full, 503 database away) is the application's exception
+    handler's answer. Left to the route: a body or a key that does not validate (the route's 422
+    names the field or the header), a credential not cached (the look-up, its failures' throttle)."""
 
     path = router.prefix
 
-    def applies(self, request: Request, platform, headers: dict[bytes, bytes]) -> bool:  # noqa: ANN001
-        return b"idempotency-key" not in headers
-
     async def answer(self, request: Request, platform, principal, body: bytes):  # noqa: ANN001, ANN201
+        keys = request.headers.getlist("idempotency-key")
+        if len(keys) > 1 or (keys and not (len(keys[0]) <= KEY_MAX and _KEY.fullmatch(keys[0]))):
+            return None  # the route's 422 on the header
         try:
             spec = JobCreate.model_validate(json.loads(body))
         except Exception:  # noqa: BLE001 - not JSON or not a job: the route's 422 names the field
             return None
         try:
-            done = await run_in_threadpool(_submit, platform, spec, None, lambda _session: principal)
+            done = await run_in_threadpool(_submit, platform, spec, keys[0] if keys else None,
+                                           lambda _session: principal)
         except Exception as exc:  # noqa: BLE001 - refused (nothing written) or the database away
             return await self.handled(request, exc)
-        return status.HTTP_201_CREATED, _JOB_READ.dump_json(done.job, by_alias=True)
+        code = status.HTTP_200_OK if done.replayed else status.HTTP_201_CREATED
+        return code, _JOB_READ.dump_json(done.job, by_alias=True)
+
+
+_KEY = re.compile(KEY_PATTERN)
 
 
 @router.post(
