@@ -133,7 +133,7 @@ class SteadyHeartbeats(EarlyAnswer):
     path = HEARTBEAT_PATH
     principal_kind = "agent"
 
-    def applies(self, request: Request, platform, headers: dict[bytes, bytes]) -> bool:  # noqa: ANN001
+    def applies(self, request: Request, platform) -> bool:  # noqa: ANN001
         return _reply_cache(request, platform) is not None
 
     async def answer(self, request: Request, platform, principal, body: bytes):  # noqa: ANN001, ANN201

@@ -36,7 +36,7 @@ class EarlyAnswer:
         self.owner = owner
         self.answered = 0
 
-    def applies(self, request: Request, platform, headers: dict[bytes, bytes]) -> bool:  # noqa: ANN001
+    def applies(self, request: Request, platform) -> bool:  # noqa: ANN001
         """Before the body is read: whether this request may be answered here at all."""
         return True
 
@@ -66,7 +66,7 @@ class EarlyAnswer:
         content_type = headers.get(b"content-type")
         if platform is None or authorization is None or content_type is None \
                 or content_type.split(b";", 1)[0].strip().lower() != b"application/json" \
-                or not self.applies(request, platform, headers):
+                or not self.applies(request, platform):
             return await self.app(scope, receive, send)
         scheme, token = get_authorization_scheme_param(authorization.decode("latin-1"))
         if scheme.lower() != "bearer" or not token:

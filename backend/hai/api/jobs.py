@@ -26,6 +26,7 @@ router = APIRouter(prefix="/api/v1/jobs", tags=["jobs"])
 
 KEY_PATTERN = r"^[\x21-\x7e]+$"  # printable ASCII, no space
 KEY_MAX = 255
+_KEY = re.compile(KEY_PATTERN)  # the early answer's check of the route's header rules
 
 
 def _idempotency_key(max_length: int, made: str) -> object:
@@ -115,9 +116,6 @@ class EarlySubmissions(EarlyAnswer):
             return await self.handled(request, exc)
         code = status.HTTP_200_OK if done.replayed else status.HTTP_201_CREATED
         return code, _JOB_READ.dump_json(done.job, by_alias=True)
-
-
-_KEY = re.compile(KEY_PATTERN)
 
 
 @router.post(
