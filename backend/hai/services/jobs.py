@@ -262,6 +262,7 @@ def _queue_full(queued: int, limit: int) -> TooMany:
 
 def submit_admitted(
     *, session: Session, spec: JobCreate, user: Principal, limit: int, idempotency: tuple[str, str] | None = None,
+    commit: bool = True,
 ) -> Row | KeySeen:
     """A submission with its checks, committed; returns the job's row. With ``idempotency`` (key,
     request hash) a key this user sent before gives KeySeen (nothing written; whatever the checks
@@ -269,7 +270,11 @@ def submit_admitted(
     fit the job, TooMany (-> 429) when the user has ``limit`` queued jobs already (0: no limit).
     PostgreSQL: one statement, one round trip (``_one_statement``); SQLite: the key's look-up,
     ``admission_counts``, ``submit_job``. A key committed by a concurrent request in between
-    raises IntegrityError (the caller rolls back and looks the key up)."""
+    raises IntegrityError (the caller rolls back and looks the key up).
+
+    ``commit=False`` (a group of submissions in one transaction, ``submissions.submit_group``):
+    the caller's transaction, begun, is neither committed nor rolled back here; a refusal writes
+    nothing of this job and leaves the transaction as it was."""
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
     if session.get_bind().dialect.name != "postgresql":
@@ -280,7 +285,7 @@ def submit_admitted(
         queued = admission_counts(session, spec, user_id=user.user_id, count_queued=bool(limit))
         if limit and queued is not None and queued >= limit:
             raise _queue_full(queued, limit)
-        return submit_job(session=session, spec=spec, user=user, idempotency=idempotency, checked=True)
+        return submit_job(session=session, spec=spec, user=user, idempotency=idempotency, checked=True, commit=commit)
     # a session that has not begun (the usual case: the credential came from the cache) runs the
     # statement in autocommit, without a BEGIN and a COMMIT round trip; one that has (the token's
     # look-up and its last-used write) commits them together
@@ -294,26 +299,29 @@ def submit_admitted(
         params["key"], params["request_hash"] = idempotency
     row = conn.execute(_ONE_STATEMENT[idempotency is not None], params).one()
     if row.id is None:  # nothing was written
-        session.rollback()
+        if commit:
+            session.rollback()
         if idempotency is not None and row.seen_job_id is not None:
             return KeySeen(job_id=row.seen_job_id, request_hash=row.seen_hash)
         _check_fit(session, spec, row.n_nodes, row.largest, row.whole)
         raise _queue_full(int(row.queued), limit)
     publish_after_commit(session, notify.SCHEDULER)
-    session.commit()
+    if commit:
+        session.commit()
     return row
 
 
 def submit_job(
     *, session: Session, spec: JobCreate, user: Principal, idempotency: tuple[str, str] | None = None,
-    checked: bool = False,
+    checked: bool = False, commit: bool = True,
 ) -> Row:
     """Write a queued job, its 'submitted' event and, with ``idempotency`` (key, request hash),
     its key, all in one transaction, and commit (issue 13: a crash between the commit and the
     response loses nothing). ``checked``: the caller already ran ``admission_counts``.
 
     Core statements, not the ORM's unit of work (issue 12: the flush was a fifth of a
-    submission's CPU): returns the job's row (every column, as an attribute)."""
+    submission's CPU): returns the job's row (every column, as an attribute). ``commit=False``:
+    the caller commits (a group of submissions, ``submit_admitted``)."""
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
     if not checked:
@@ -328,7 +336,8 @@ def submit_job(
         conn.execute(_INSERT_KEY, dict(user_id=user.user_id, key=key, request_hash=request_hash, job_id=row.id,
                                        created_at=now))
     publish_after_commit(session, notify.SCHEDULER)
-    session.commit()
+    if commit:
+        session.commit()
     return row
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -17,7 +18,7 @@ from hai.db.models import Job
 from hai.schemas.jobs import JobBatchCreate, JobCreate, JobRead
 from hai.services import jobs as job_service
 from hai.services.auth import Principal
-from hai.services.errors import Forbidden, Invalid
+from hai.services.errors import Forbidden, Invalid, TooMany
 from hai.services.faults import crash_point
 from hai.services.job_views import job_read, job_reads, submitted_read
 from hai.settings import LimitsSettings
@@ -50,6 +51,15 @@ def _replayed(session: Session, *, seen: job_service.KeySeen, digest: str) -> Su
 def submit(
     *, session: Session, spec: JobCreate, user: Principal, limits: LimitsSettings, idempotency_key: str | None = None
 ) -> Submitted:
+    return _submit(session=session, spec=spec, user=user, limits=limits, idempotency_key=idempotency_key, commit=True)
+
+
+def _submit(
+    *, session: Session, spec: JobCreate, user: Principal, limits: LimitsSettings, idempotency_key: str | None,
+    commit: bool,
+) -> Submitted:
+    """``submit``; ``commit=False``: in the caller's begun transaction, neither committed nor rolled
+    back here (a refusal writes nothing of this job), an IntegrityError raised on."""
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
     # the normalised body's hash only matters with a key (a JSON dump and a SHA-256 otherwise wasted)
@@ -59,8 +69,10 @@ def submit(
         # the key's earlier use, the cluster fit (422) and the user's queued-jobs limit (429), then
         # the job, its event and its key, committed: one statement on PostgreSQL (issue 12)
         row = job_service.submit_admitted(session=session, spec=spec, user=user,
-                                          limit=limits.max_queued_jobs_per_user, idempotency=idem)
+                                          limit=limits.max_queued_jobs_per_user, idempotency=idem, commit=commit)
     except IntegrityError:
+        if not commit:
+            raise
         # the same key committed by a concurrent request in between: answer with its job
         session.rollback()
         if idempotency_key is None:
@@ -71,8 +83,55 @@ def submit(
         row = job_service.KeySeen(job_id=seen.job_id, request_hash=seen.request_hash)
     if isinstance(row, job_service.KeySeen):
         return _replayed(session, seen=row, digest=digest)
-    crash_point("after_submit_commit")
+    if commit:
+        crash_point("after_submit_commit")
     return Submitted(job=submitted_read(row), replayed=False)
+
+
+# what a submission of a group may be answered with alone: refused before it wrote anything
+REFUSALS = (Invalid, TooMany, Forbidden)
+Single = tuple[JobCreate, Principal, "str | None"]  # (spec, user, Idempotency-Key)
+
+
+def submit_group(
+    *, sessions: Callable[[], Session], items: Sequence[Single], limits: LimitsSettings,
+) -> list[Submitted | Exception]:
+    """Single submissions that arrived together (issue 12: a CI's burst, several requests in
+    flight), in the order given, written in one transaction: what each would get alone, one after
+    another (the same checks, each seeing the jobs and keys of those before it; a refusal is that
+    submission's answer and writes nothing of it), at one BEGIN, one COMMIT and one write lock for
+    all of them. A failure of the group itself (the database away) is raised for all of them:
+    nothing of the group is written. A key committed by another process in between (an
+    IntegrityError on PostgreSQL) rolls the group back, and each is then submitted alone, as
+    ``submit`` answers that race. A group of one is a single submission (on PostgreSQL one
+    statement in autocommit: no BEGIN and COMMIT round trips)."""
+    if len(items) == 1:
+        return [_alone(sessions, items[0], limits)]
+    try:
+        with sessions() as session:
+            session.connection()  # the group's one transaction (PostgreSQL: not the single's autocommit)
+            out: list[Submitted | Exception] = []
+            for spec, user, key in items:
+                try:
+                    out.append(_submit(session=session, spec=spec, user=user, limits=limits, idempotency_key=key,
+                                       commit=False))
+                except REFUSALS as exc:
+                    out.append(exc)
+            session.commit()
+    except IntegrityError:
+        return [_alone(sessions, item, limits) for item in items]
+    crash_point("after_submit_commit")
+    return out
+
+
+def _alone(sessions: Callable[[], Session], item: Single, limits: LimitsSettings) -> Submitted | Exception:
+    """One submission of a group written alone: its answer, or what it raised (the others' stand)."""
+    spec, user, key = item
+    try:
+        with sessions() as session:
+            return submit(session=session, spec=spec, user=user, limits=limits, idempotency_key=key)
+    except Exception as exc:  # noqa: BLE001 - this submission's answer (a refusal, the database away)
+        return exc
 
 
 @dataclass(frozen=True)
