@@ -1,0 +1,223 @@
+"""Single submissions written together (issue 12, group commit): ``submissions.submit_group`` writes
+the submissions that arrived while another group was being written in one transaction, each
+answered as it would be answered alone, one after another; ``api.jobs.SubmissionGroups`` gathers
+them from concurrent requests. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import delete, event, func, select
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from hai.agent.testing import wait_for
+from hai.api.jobs import EarlySubmissions
+from hai.db.migrate import upgrade
+from hai.db.models import IdempotencyKey, Job, JobEvent
+from hai.main import create_app
+from hai.schemas.jobs import JobCreate
+from hai.services import auth, submissions
+from hai.services import jobs as job_service
+from hai.services.context import Platform
+from hai.services.errors import Invalid, TooMany
+from hai.settings import LimitsSettings, Settings
+from tests.conftest import Api, uvicorn_thread
+
+LIMITS = LimitsSettings(max_queued_jobs_per_user=3)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def api(request, tmp_path):
+    """An Api (users alice and bob, two 8-GPU nodes) on a migrated database, SQLite and PostgreSQL."""
+    url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    upgrade(url)
+    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", db={"url": url})
+    platform = Platform.from_settings(s)
+    with TestClient(create_app(platform)) as client:
+        a = Api(client, platform)
+        a.register_node("n0")
+        a.register_node("n1")
+        yield a
+    platform.close()
+
+
+def _user(api: Api, token: str) -> auth.Principal:
+    with api.platform.sessions() as s:
+        return auth.authenticate(session=s, secret=token)
+
+
+def _spec(name: str, **kw) -> JobCreate:  # noqa: ANN003
+    return JobCreate.model_validate({"name": name, "command": ["echo", name], "gpus_per_node": 1} | kw)
+
+
+def _items(api: Api) -> list[submissions.Single]:
+    """Each kind of answer, and submissions that depend on those before them in the group."""
+    alice, bob = _user(api, api.alice), _user(api, api.bob)
+    return [
+        (_spec("a1"), alice, None),                      # 201
+        (_spec("too-big", nodes=3), alice, None),        # 422: the cluster has 2 nodes
+        (_spec("a2"), alice, "k1"),                      # 201, key k1
+        (_spec("a2"), alice, "k1"),                      # 200: k1's job (written just before, same group)
+        (_spec("other"), alice, "k1"),                   # 422: k1 with another body
+        (_spec("b1"), bob, "k1"),                        # 201: keys are per user
+        (_spec("a3"), alice, None),                      # 201: alice's third queued job
+        (_spec("a4"), alice, None),                      # 429: alice has 3 queued (limit 3)
+        (_spec("a4"), alice, "k2"),                      # 429, and k2 not kept
+        (_spec("b2", priority="HIGH"), bob, None),       # 201
+    ]
+
+
+def _answers(outcomes: list) -> list[tuple]:  # noqa: ANN001
+    """Each answer without what differs between two databases' runs (ids, times)."""
+    got = []
+    for o in outcomes:
+        if isinstance(o, submissions.Submitted):
+            j = o.job
+            got.append(("replayed" if o.replayed else "created", j.name, j.user, j.state.value, j.priority.value,
+                        [(e.from_state, e.to_state, e.reason) for e in j.events]))
+        else:  # (a refusal may name a job by its id: the id differs between the runs)
+            got.append((type(o).__name__, re.sub(r"\(job \d+\)", "(job N)", str(o))))
+    return got
+
+
+def _stored(api: Api) -> list[tuple]:
+    with api.platform.sessions() as s:
+        jobs = [(j.name, j.user_name, j.state, len(j.events)) for j in s.scalars(select(Job).order_by(Job.id))]
+        keys = sorted((k.user_id, k.key, s.get(Job, k.job_id).name) for k in s.scalars(select(IdempotencyKey)))
+        return jobs + keys
+
+
+def _clear(api: Api) -> None:
+    with api.platform.sessions() as s:
+        for table in (IdempotencyKey, JobEvent, Job):
+            s.execute(delete(table))
+        s.commit()
+
+
+def test_a_group_answers_each_submission_as_it_would_be_answered_alone(api):
+    items = _items(api)
+    alone = []
+    for spec, user, key in items:
+        with api.platform.sessions() as s:
+            try:
+                alone.append(submissions.submit(session=s, spec=spec, user=user, limits=LIMITS, idempotency_key=key))
+            except (Invalid, TooMany) as exc:
+                alone.append(exc)
+    stored_alone = _stored(api)
+    _clear(api)
+
+    grouped = submissions.submit_group(sessions=api.platform.sessions, items=items, limits=LIMITS)
+
+    assert _answers(grouped) == _answers(alone)
+    assert [a[0] for a in _answers(grouped)] == ["created", "Invalid", "created", "replayed", "Invalid", "created",
+                                                 "created", "TooMany", "TooMany", "created"]
+    assert grouped[3].job.id == grouped[2].job.id  # the replay is k1's job, written in the same group
+    assert "the cluster has 2 node(s)" in str(grouped[1])
+    assert f"used with another request body (job {grouped[2].job.id})" in str(grouped[4])
+    assert _stored(api) == stored_alone
+    assert [row[0] for row in _stored(api)[:5]] == ["a1", "a2", "b1", "a3", "b2"]
+    with api.platform.sessions() as s:
+        assert s.scalar(select(func.count(Job.id))) == 5 and s.scalar(select(func.count(IdempotencyKey.id))) == 2
+
+
+def test_a_group_is_one_transaction(api):
+    items = _items(api)[:4]
+    commits = []
+
+    def committed(conn) -> None:  # noqa: ANN001
+        commits.append(conn)
+
+    event.listen(api.platform.engine, "commit", committed)
+    try:
+        out = submissions.submit_group(sessions=api.platform.sessions, items=items, limits=LIMITS)
+    finally:
+        event.remove(api.platform.engine, "commit", committed)
+    assert [type(o).__name__ for o in out] == ["Submitted", "Invalid", "Submitted", "Submitted"]
+    assert len(commits) == 1
+
+
+def test_a_failure_of_the_group_writes_none_of_it(api, monkeypatch):
+    real = job_service.submit_admitted
+    calls = []
+
+    def third_fails(**kw):  # noqa: ANN003, ANN202 - the database goes away at the third submission
+        calls.append(1)
+        if len(calls) == 3:
+            raise OperationalError("INSERT ...", {}, Exception("server closed the connection unexpectedly"))
+        return real(**kw)
+
+    monkeypatch.setattr(job_service, "submit_admitted", third_fails)
+    with pytest.raises(OperationalError):
+        submissions.submit_group(sessions=api.platform.sessions, items=_items(api), limits=LIMITS)
+    assert _stored(api) == []  # the two before it were rolled back with it
+
+
+def test_a_key_committed_by_another_process_meanwhile_sends_the_group_one_by_one(api, monkeypatch):
+    real = job_service.submit_admitted
+    raised = []
+
+    def race_once(**kw):  # noqa: ANN003, ANN202 - the key's insert meets another process's row, once
+        if kw.get("idempotency") and not kw.get("commit", True) and not raised:
+            raised.append(1)
+            raise IntegrityError("INSERT INTO idempotency_keys ...", {}, Exception("duplicate key value"))
+        return real(**kw)
+
+    items = _items(api)
+    monkeypatch.setattr(job_service, "submit_admitted", race_once)
+    out = submissions.submit_group(sessions=api.platform.sessions, items=items, limits=LIMITS)
+    assert raised == [1]
+    assert [a[0] for a in _answers(out)] == ["created", "Invalid", "created", "replayed", "Invalid", "created",
+                                             "created", "TooMany", "TooMany", "created"]
+    assert [row[0] for row in _stored(api)][:5] == ["a1", "a2", "b1", "a3", "b2"]
+
+
+def _early(app) -> EarlySubmissions:  # noqa: ANN001
+    layer = app.middleware_stack
+    while not isinstance(layer, EarlySubmissions):
+        layer = layer.app
+    return layer
+
+
+def test_concurrent_requests_are_written_as_groups_and_each_gets_its_own_answer(api, monkeypatch):
+    """16 requests in flight: the first group is held until the 15 others wait (no timing left to
+    chance); they are then one group, each answered with its own job (or refusal)."""
+    app = api.client.app
+    early = _early(app)
+    real = submissions.submit_group
+    first = threading.Event()
+
+    def held_first(**kw):  # noqa: ANN003, ANN202
+        if not first.is_set():
+            first.set()
+            wait_for(lambda: len(early.grouped._waiting) == 15, timeout=30, what="15 submissions waiting")
+        return real(**kw)
+
+    monkeypatch.setattr(submissions, "submit_group", held_first)
+    bodies = [{"name": f"j{i}", "command": ["echo", str(i)], "gpus_per_node": 1 + i % 8} for i in range(15)]
+    bodies.insert(7, {"name": "too-big", "command": ["true"], "nodes": 3, "gpus_per_node": 8})  # 422 in the group
+    with uvicorn_thread(app, log_level="warning") as url:
+        headers = api.h(api.bob)
+
+        async def post_all() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as c:
+                await c.get("/api/v1/jobs", params={"limit": 1})  # bob's credential cached: the early path
+                return await asyncio.gather(*(c.post("/api/v1/jobs", json=b) for b in bodies))
+
+        before = early.answered
+        rs = asyncio.run(post_all())
+    assert early.answered - before == 16
+    assert (early.grouped.groups, early.grouped.largest) == (2, 15)
+    assert [r.status_code for r in rs] == [201] * 7 + [422] + [201] * 8
+    created = [r.json() for r in rs if r.status_code == 201]
+    assert [j["name"] for j in created] == [b["name"] for b in bodies if b["name"] != "too-big"]
+    assert [j["gpus_per_node"] for j in created] == [b["gpus_per_node"] for b in bodies if b["name"] != "too-big"]
+    assert len({j["id"] for j in created}) == 15
+    assert rs[7].json()["detail"][0]["loc"][-1] == "nodes"
+    with api.platform.sessions() as s:
+        assert sorted(s.scalars(select(Job.name))) == sorted(j["name"] for j in created)
+        assert s.scalar(select(func.count(JobEvent.id))) == 15
