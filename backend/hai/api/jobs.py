@@ -147,7 +147,8 @@ class EarlySubmissions(EarlyAnswer):
     is how a CI, a script and ``hai submit`` submit, and the framework around the route (routing,
     dependencies, the middleware's layers around the request and each ``send``) was a fifth of a
     submission's server instructions (callgrind: 4.14 M -> 3.31 M without it). The same work as
-    the route (``_submit``) for a user credential already in the token cache, a body that
+    the route (``submissions.submit``, through ``SubmissionGroups``: those that arrive together are
+    written in one transaction) for a user credential already in the token cache, a body that
     validates as a ``JobCreate`` as FastAPI validates it (``json.loads``, then the model) and at
     most one ``Idempotency-Key`` that the route's header rules accept; the same answer: 201 with
     the bytes of the route's response model, 200 for a key's replay; a refusal (422 no fit or a key
