@@ -221,3 +221,21 @@ def test_concurrent_requests_are_written_as_groups_and_each_gets_its_own_answer(
     with api.platform.sessions() as s:
         assert sorted(s.scalars(select(Job.name))) == sorted(j["name"] for j in created)
         assert s.scalar(select(func.count(JobEvent.id))) == 15
+
+
+def test_a_writer_left_on_a_closed_event_loop_does_not_hold_the_next_loops_submissions(api):
+    """One process, two event loops one after the other (a test client's portal each request): the
+    first loop closed with its writer pending; the next loop's submission is written all the same."""
+    from hai.api.jobs import SubmissionGroups
+
+    groups = SubmissionGroups()
+    old = asyncio.new_event_loop()
+    groups._loop, groups._writer = old, old.create_future()  # (a writer that will never finish)
+    groups._waiting.append(((_spec("lost"), _user(api, api.alice), None), old.create_future()))
+    old.close()
+
+    async def one() -> submissions.Submitted:
+        return await asyncio.wait_for(groups.submit(api.platform, (_spec("next"), _user(api, api.alice), None)), 30)
+
+    done = asyncio.run(one())
+    assert (done.job.name, done.replayed, groups.groups) == ("next", False, 1)

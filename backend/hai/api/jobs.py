@@ -101,12 +101,15 @@ class SubmissionGroups:
     def __init__(self) -> None:
         self._waiting: list[tuple[submissions.Single, asyncio.Future]] = []
         self._writer: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the writer's
         self.groups = 0
         self.largest = 0
 
     async def submit(self, platform: Platform, item: submissions.Single) -> submissions.Submitted:
         """The submission's answer, or its refusal raised (or the group's failure)."""
         loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # another event loop (a test client's, each its own): the last one's
+            self._writer, self._waiting, self._loop = None, [], loop  # writer and waiters went with it
         done = loop.create_future()
         self._waiting.append((item, done))
         if self._writer is None:
