@@ -41,8 +41,15 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
     await send({"type": "http.response.body", "body": payload})
 
 
+NUL_MSG = "must not contain NUL characters"
+
+
 class BodyLimit:
-    """Pure ASGI middleware (no buffering of accepted bodies that declare their length)."""
+    """Pure ASGI middleware (no buffering of accepted bodies that declare their length). Also
+    refuses, before anything else reads them, a credential in the URL (400) and a NUL character
+    in the path or a query parameter (422 naming it: PostgreSQL's text holds none, and psycopg's
+    refusal to send one was a 500 on every look-up by name; a body's text fields are refused so
+    by their schemas, ``schemas.common.Text``)."""
 
     def __init__(self, app, max_bytes: int):  # noqa: ANN001
         self.app = app
@@ -54,12 +61,17 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):  # noqa: ANN001
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if "\0" in scope["path"]:
+            return await _send_json(send, 422, {"detail": [{"loc": ["path"], "type": "value_error", "msg": NUL_MSG}]})
         query = scope.get("query_string", b"").decode("latin-1")
-        for name, _value in parse_qsl(query, keep_blank_values=True):
+        for name, value in parse_qsl(query, keep_blank_values=True):
             if name.lower() in QUERY_TOKEN_NAMES:
                 detail = [{"loc": ["query", name], "type": "value_error",
                            "msg": "credentials are accepted only in the Authorization header, never in the URL"}]
                 return await _send_json(send, 400, {"detail": detail})
+            if "\0" in name or "\0" in value:
+                detail = [{"loc": ["query", name], "type": "value_error", "msg": NUL_MSG}]
+                return await _send_json(send, 422, {"detail": detail})
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:

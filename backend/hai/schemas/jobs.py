@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator, field_valida
 
 from hai.domain.jobs import JobState, JobType, Priority
 from hai.protocol.messages import json_types_only
+from hai.schemas.common import Text
 
 
 # issue 13: the most a job's argv and environment may weigh (bytes of UTF-8, with one NUL per
@@ -20,7 +21,7 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
 
-    name: str = Field(min_length=1, max_length=128)
+    name: Text = Field(min_length=1, max_length=128)
     command: list[str] = Field(
         min_length=1,
         description="argv; never run through a shell",
@@ -40,7 +41,7 @@ class JobCreate(BaseModel):
     )
     job_type: JobType = JobType.COMMAND
     max_runtime_s: float | None = Field(default=None, gt=0)
-    tags: list[str] = Field(default_factory=list, max_length=32)
+    tags: list[Text] = Field(default_factory=list, max_length=32)
     allow_cross_zone: bool = False
     suspend_grace_s: float = Field(default=60.0, gt=0, le=24 * 3600)
     log_watchdog_s: float | None = Field(default=None, gt=0)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from hai.domain.nodes import NodeState
 from hai.protocol.messages import json_types_only
-from hai.schemas.common import GpuRead, NodeRead
+from hai.schemas.common import GpuRead, NodeRead, Text
 
 
 class NodeEventRead(BaseModel):
@@ -62,7 +62,7 @@ class NodeDetail(NodeRead):
 class NodeDrain(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
-    reason: str = Field(min_length=1, max_length=400, description="why the node is taken out (required)")
+    reason: Text = Field(min_length=1, max_length=400, description="why the node is taken out (required)")
 
     @field_validator("reason")
     @classmethod
