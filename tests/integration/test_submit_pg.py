@@ -276,6 +276,8 @@ def test_on_postgresql_a_batch_is_its_checks_and_one_statement(make_api):
         ("/api/v1/jobs/batch", {"jobs": [BODY, BODY | {"name": "\x00"}]}, ["body", "jobs", 1, "name"]),
         ("/api/v1/tokens", {"name": "ci\x00"}, ["body", "name"]),
         ("/api/v1/nodes/n0/drain", {"reason": "bad\x00fan"}, ["body", "reason"]),
+        ("/api/v1/quotas", {"items": [{"group": "vision", "priority": "HIGH", "user": "a\x00", "gpus": 8}]},
+         ["body", "items", 0, "user"]),
     ],
 )
 def test_text_with_a_nul_character_is_422_on_every_database_and_writes_nothing(make_api, path, body, loc):
@@ -284,10 +286,10 @@ def test_text_with_a_nul_character_is_422_on_every_database_and_writes_nothing(m
     credential (the early submission and the route)."""
     api = make_api()
     api.register_node("n0")
-    token = api.admin if "drain" in path else api.alice
+    token = api.admin if "drain" in path or "quotas" in path else api.alice
     api.get("/api/v1/jobs", token)  # the credential cached: a submission is answered early
     for _ in range(2):
-        r = api.client.post(path, json=body, headers=api.h(token))
+        r = api.client.request("PUT" if "quotas" in path else "POST", path, json=body, headers=api.h(token))
         assert r.status_code == 422, r.text
         detail = r.json()["detail"][0]
         assert (detail["loc"], detail["msg"]) == (loc, "Value error, must not contain NUL characters")
@@ -296,6 +298,7 @@ def test_text_with_a_nul_character_is_422_on_every_database_and_writes_nothing(m
     assert api.get("/api/v1/nodes/n0", api.admin).json()["state"] != "drained"
     with api.platform.sessions() as s:
         assert s.scalar(select(func.count(ApiToken.id))) == 4  # admin, alice, bob, the agents'
+    assert api.get("/api/v1/quotas").json()["items"] == []
 
 
 @pytest.mark.parametrize(

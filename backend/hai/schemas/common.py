@@ -86,9 +86,9 @@ class NodeRead(BaseModel):
 class QuotaItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _json_types = model_validator(mode="before")(classmethod(json_types_only))  # issue 13
-    group: str = Field(min_length=1, max_length=64)
+    group: Text = Field(min_length=1, max_length=64)
     priority: Priority
-    user: str | None = Field(default=None, max_length=64)
+    user: Text | None = Field(default=None, max_length=64)
     gpus: int = Field(ge=0)
 
 
