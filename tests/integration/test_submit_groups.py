@@ -239,3 +239,38 @@ def test_a_writer_left_on_a_closed_event_loop_does_not_hold_the_next_loops_submi
 
     done = asyncio.run(one())
     assert (done.job.name, done.replayed, groups.groups) == ("next", False, 1)
+
+
+def test_a_request_gone_while_its_submission_waits_is_not_written(api, monkeypatch):
+    """The client went away (its request cancelled) before its submission's group was written:
+    nothing of it is written; the others of the group are."""
+    from hai.api.jobs import SubmissionGroups
+
+    groups = SubmissionGroups()
+    real = submissions.submit_group
+    release = threading.Event()
+
+    def held(**kw):  # noqa: ANN003, ANN202 - the first group is written only once released
+        if not release.is_set():
+            release.wait(30)
+        return real(**kw)
+
+    monkeypatch.setattr(submissions, "submit_group", held)
+    alice = _user(api, api.alice)
+
+    async def scenario() -> list:
+        first = asyncio.ensure_future(groups.submit(api.platform, (_spec("first"), alice, None)))
+        await asyncio.sleep(0)  # (one turn of the loop: the writer has taken the first group)
+        gone = asyncio.ensure_future(groups.submit(api.platform, (_spec("gone"), alice, None)))
+        kept = asyncio.ensure_future(groups.submit(api.platform, (_spec("kept"), alice, None)))
+        await asyncio.sleep(0)
+        assert len(groups._waiting) == 2
+        gone.cancel()
+        release.set()
+        return await asyncio.gather(first, kept)
+
+    done = asyncio.run(scenario())
+    assert [d.job.name for d in done] == ["first", "kept"]
+    assert (groups.groups, groups.largest) == (2, 1)
+    with api.platform.sessions() as s:
+        assert sorted(s.scalars(select(Job.name))) == ["first", "kept"]

@@ -122,6 +122,9 @@ class SubmissionGroups:
             while self._waiting:
                 group = self._waiting[: self.most]
                 del self._waiting[: self.most]
+                group = [entry for entry in group if not entry[1].done()]  # (a request gone before it was written: not written)
+                if not group:
+                    continue
                 self.groups += 1
                 self.largest = max(self.largest, len(group))
                 try:
