@@ -122,7 +122,8 @@ class SubmissionGroups:
             while self._waiting:
                 group = self._waiting[: self.most]
                 del self._waiting[: self.most]
-                group = [entry for entry in group if not entry[1].done()]  # (a request gone before it was written: not written)
+                # a request gone before its group was written (cancelled): not written
+                group = [entry for entry in group if not entry[1].done()]
                 if not group:
                     continue
                 self.groups += 1
