@@ -29,7 +29,12 @@ TRUNCATED = "[hai: line truncated, {n} more characters]"
 
 def clip(line: str, max_chars: int) -> str:
     """A line over ``max_chars`` keeps its first ``max_chars`` characters and says how much was
-    cut (HAI_LIMITS__MAX_LOG_LINE_CHARS), so a reader sees that the line goes on."""
+    cut (HAI_LIMITS__MAX_LOG_LINE_CHARS), so a reader sees that the line goes on. A NUL character
+    (a job that prints binary) is stored as U+FFFD, as the agent stores bytes that are not UTF-8:
+    PostgreSQL's text holds no NUL, and psycopg's refusal failed the node's whole batch (a 500 the
+    agent retried, every job's lines of that node held behind it)."""
+    if "\0" in line:
+        line = line.replace("\0", "\ufffd")
     if len(line) <= max_chars:
         return line
     return line[:max_chars] + " " + TRUNCATED.format(n=len(line) - max_chars)
