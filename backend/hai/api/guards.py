@@ -24,6 +24,7 @@ from limits import RateLimitItemPerSecond
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
+from hai.schemas.common import NUL_MSG
 from hai.services.errors import TooMany
 from hai.settings import LimitsSettings
 
@@ -39,9 +40,6 @@ async def _send_json(send, status: int, body: dict, headers: list[tuple[bytes, b
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()), *headers],
     })
     await send({"type": "http.response.body", "body": payload})
-
-
-NUL_MSG = "must not contain NUL characters"
 
 
 class BodyLimit:

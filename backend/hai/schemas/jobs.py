@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator, field_valida
 
 from hai.domain.jobs import JobState, JobType, Priority
 from hai.protocol.messages import json_types_only
-from hai.schemas.common import Text
+from hai.schemas.common import NO_NUL_PATTERN, Text
 
 
 # issue 13: the most a job's argv and environment may weigh (bytes of UTF-8, with one NUL per
@@ -26,7 +26,7 @@ class JobCreate(BaseModel):
         min_length=1,
         description="argv; never run through a shell",
         # what the validator below checks, stated in the schema (issue 13): no NUL, a program
-        json_schema_extra={"items": {"type": "string", "pattern": "^[^\\x00]*$"},
+        json_schema_extra={"items": {"type": "string", "pattern": NO_NUL_PATTERN},
                            "prefixItems": [{"type": "string", "pattern": "\\S"}]},
     )
     nodes: int = Field(default=1, ge=1, le=4096)
@@ -37,7 +37,7 @@ class JobCreate(BaseModel):
     env: dict[str, str] = Field(
         default_factory=dict,
         json_schema_extra={"propertyNames": {"pattern": "^[^=\\x00]+$"},
-                           "additionalProperties": {"type": "string", "pattern": "^[^\\x00]*$"}},
+                           "additionalProperties": {"type": "string", "pattern": NO_NUL_PATTERN}},
     )
     job_type: JobType = JobType.COMMAND
     max_runtime_s: float | None = Field(default=None, gt=0)
