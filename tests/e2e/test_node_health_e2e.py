@@ -53,7 +53,9 @@ ENV = {
     "HAI_SCHEDULER__MIN_RUNTIME_S": "0",
     "HAI_VALIDATION__QUICK_EVERY_HEARTBEATS": "1",
     "HAI_VALIDATION__UNDRAIN_TIMEOUT_S": "60",
-    "HAI_AGENT__LOST_AFTER_S": "15",  # above the agents' 10 s long poll
+    # above the agents' 10 s long poll, with room for a loaded 2-core CI machine: a node that
+    # misses its lease there is found lost and its job requeued by the reaper, not by the fault
+    "HAI_AGENT__LOST_AFTER_S": "30",
 }
 
 
@@ -219,7 +221,8 @@ def test_a_gpu_lost_under_a_job_kills_its_rank_and_the_job_restarts_from_its_che
         queued = wait_for(lambda: (j := stack.job(job["id"]))["restarts"] == 1 and j, timeout=60,
                           what="the job requeued as a restart")
         assert queued["failure_reason"] is None and queued["exit_code"] is None
-        assert any("faulty" in e["reason"] for e in queued["events"])
+        assert any("faulty" in e["reason"] for e in queued["events"]), (
+            [e["reason"] for e in queued["events"]], [e["reason"] for e in _node(stack, "flaky")["events"]])
         ckpt_step = queued["last_checkpoint"]["step"]
         with stack.client() as c:
             c.post(f"/api/v1/jobs/{blockers[0]['id']}/cancel").raise_for_status()
@@ -260,7 +263,7 @@ def test_a_killed_agent_makes_its_node_lost_and_its_job_requeue(health_stack, tm
     assert running["placement"][0]["node"] == "mortal"
     agent.kill()
     agent.wait(10)
-    n = wait_for(lambda: (x := _node(stack, "mortal"))["state"] == "lost" and x, timeout=60, what="the node lost")
+    n = wait_for(lambda: (x := _node(stack, "mortal"))["state"] == "lost" and x, timeout=90, what="the node lost")
     assert n["events"][-1]["actor"] == "reaper"
     j = wait_for(lambda: (x := stack.job(job["id"]))["restarts"] == 1 and x, timeout=30, what="the requeue")
     assert j["failure_reason"] is None and j["state"] in ("queued", "starting", "running")
