@@ -153,13 +153,15 @@ def post_load(make_client, path: str, body: dict, n: int, in_flight: int, ok=(20
                     lat.append(dt)
 
     threads = [threading.Thread(target=worker) for _ in range(in_flight)]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     out = summarise(lat, wall)
+    # the benchmark's own client (httpx in threads) shares the cores with what it measures
+    out["client_cpu_ms_per_job"] = round(cpu * 1000 / max(1, len(lat) * per_request), 2)
     out["failed"] = len(errors)  # counted in the latencies, not in jobs/s
     out["jobs_per_s"] = round((len(lat) - len(errors)) * per_request / wall, 1)
     if per_request > 1:
@@ -413,6 +415,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     # jobs/s on a shared VM; on SQLite the scheduler is a thread of the server process
                     serving = pids["server"] + [c for p in pids["server"] for c in children(p) if not is_agent(c)]
                     c0, s0 = cpu_s(serving), cpu_s(pids["scheduler"])
+                    pg = pids_named("postgres") if kind == "postgresql" else []  # its backends, WAL writer
+                    pg0 = cpu_s(pg)
                     if per > 1:  # POST /api/v1/jobs/batch: n jobs in n / per requests of per jobs
                         out[f"batch_{per}_in_flight_{in_flight}"] = r = post_load(
                             client, "/api/v1/jobs/batch", {"jobs": [BODY] * per}, max(1, n // per), in_flight,
@@ -422,6 +426,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     jobs_sent = max(1, n // per) * per
                     r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / jobs_sent, 2)
                     r["scheduler_cpu_ms_per_job"] = round((cpu_s(pids["scheduler"]) - s0) * 1000 / jobs_sent, 2)
+                    if pg:
+                        r["postgresql_cpu_ms_per_job"] = round((cpu_s(pg) - pg0) * 1000 / jobs_sent, 2)
                     stop_profiles(spies)
                     with client() as c:  # does the scheduler keep up: its last job considered how late
                         last = c.get("/api/v1/jobs", params={"limit": 1, "user": "bench"}).json()["items"][0]["id"]
@@ -431,6 +437,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                           f"p50 {r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  failed {r['failed']}"
                           f"  last job considered +{r['last_considered_after_s']:.2f} s"
                           f"  CPU/job: server {r['server_cpu_ms_per_job']} ms, scheduler {r['scheduler_cpu_ms_per_job']} ms"
+                          f"{', PostgreSQL ' + str(r['postgresql_cpu_ms_per_job']) + ' ms' if pg else ''}"
+                          f", client {r['client_cpu_ms_per_job']} ms"
                           f"{' (' + r['first_error'][:120] + ')' if r['failed'] else ''}  load {r['load']}", flush=True)
         finally:
             procs.stop()
@@ -519,11 +527,16 @@ def slurm_case(n: int, n_nodes: int = 1250, batch: int = 0) -> dict:
                                 timeout=120)
 
         post_load(client, "/slurm/v0.0.38/job/submit", body, 20, 1, ok=(200,))
+        daemons = [p.pid for p in procs.procs]  # munged, slurmctld, slurmrestd
         for in_flight in (1, 8):
+            d0 = cpu_s(daemons)
             out[f"slurmrestd_in_flight_{in_flight}"] = r = post_load(client, "/slurm/v0.0.38/job/submit", body, n,
                                                                      in_flight, ok=(200,))
+            r["slurm_cpu_ms_per_job"] = round((cpu_s(daemons) - d0) * 1000 / n, 2)
             print(f"  slurm      slurmrestd in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s p50 "
-                  f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  load {r['load']}", flush=True)
+                  f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  CPU/job: munged+slurmctld+slurmrestd "
+                  f"{r['slurm_cpu_ms_per_job']} ms, client {r['client_cpu_ms_per_job']} ms  load {r['load']}",
+                  flush=True)
         if batch > 1:
             # job arrays: sbatch --array and slurmrestd's "array" field, ``batch`` tasks each (a held
             # array is one job record in slurmctld until its tasks are split off to start)
@@ -568,6 +581,19 @@ READS = [
 ]
 # the heavy opt-in forms: fewer requests (a tenth of --repeat, at least 10)
 FEW = {"nodes_gpu_metrics"}
+
+
+def pids_named(*names: str) -> list[int]:
+    """Every process whose command name is one of ``names`` (PostgreSQL's backends, Slurm's daemons)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().strip() in names:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
 
 
 def cpu_s(pids: list[int]) -> float:
