@@ -16,7 +16,7 @@ from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, Node
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
-from hai.services import notify
+from hai.services import notify, queued_counts
 from hai.services.auth import Principal
 from hai.services.errors import Conflict, Forbidden, Invalid, NotFound, TooMany
 
@@ -120,8 +120,8 @@ _nodes, _jobs = Node.__table__, Job.__table__
 
 def _admission(count_queued: bool):  # noqa: ANN202
     """The cluster-fit aggregate (nodes, the largest node, nodes of exactly the job's GPUs) and,
-    when ``count_queued``, the user's queued jobs (count(*) on ix_jobs_user_id_state: an
-    index-only scan). Built once with bind parameters: the compiled statement and its cache key
+    when ``count_queued``, the user's queued jobs (the sum of their queued_counts rows, kept by
+    the database's triggers: a few rows, not a count of the queue). Built once with bind parameters: the compiled statement and its cache key
     are reused (issue 12)."""
     columns = [
         func.count(_nodes.c.id),
@@ -129,11 +129,7 @@ def _admission(count_queued: bool):  # noqa: ANN202
         func.coalesce(func.sum(case((_nodes.c.gpus == bindparam("gpus_per_node"), 1), else_=0)), 0),
     ]
     if count_queued:
-        columns.append(
-            select(func.count()).select_from(_jobs)
-            .where(_jobs.c.user_id == bindparam("user_id"), _jobs.c.state == JobState.QUEUED.value)
-            .scalar_subquery()
-        )
+        columns.append(queued_counts.queued_of())
     return select(*columns)
 
 
@@ -213,10 +209,7 @@ def _one_statement(with_key: bool):  # noqa: ANN202
         func.count(_nodes.c.id).label("n_nodes"),
         func.coalesce(func.max(_nodes.c.gpus), 0).label("largest"),
         func.coalesce(func.sum(case((_nodes.c.gpus == bindparam("gpus_per_node"), 1), else_=0)), 0).label("whole"),
-        select(func.count()).select_from(_jobs)
-        .where(_jobs.c.user_id == bindparam("user_id"), _jobs.c.state == JobState.QUEUED.value)
-        .where(bindparam("limit", type_=Integer) > 0)  # no limit: no count
-        .scalar_subquery().label("queued"),
+        queued_counts.queued_of().label("queued"),
     )
     figures = [c.name for c in adm.selected_columns]
     if with_key:

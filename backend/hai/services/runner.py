@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from hai.services import notify, reaper
+from hai.services import notify, queued_counts, reaper
 from hai.services.context import Platform
 from hai.services.leader import Fenced, Lease, NotLeader, leadership
 from hai.services.scheduling import CycleResult, QueueCache, run_cycle
@@ -42,6 +42,7 @@ class SchedulerLoop:
         self.cycle_done = threading.Condition()
         self.last_result: CycleResult | None = None
         self.queue = QueueCache()  # the queue kept across cycles
+        self.folding = queued_counts.Folding()  # each user's queued-jobs rows folded into one now and then
 
     def run(self) -> None:
         """Lead, cycle; when fenced off (another leader took over), wait to lead again."""
@@ -80,6 +81,10 @@ class SchedulerLoop:
                 raise
             except Exception:
                 log.exception("scheduling cycle failed; retrying")
+            try:
+                self.folding.maybe(self.platform.sessions, self.platform.read_sessions)
+            except Exception:
+                log.exception("folding the queued-jobs counts failed; trying again after the next cycle")
             with self.cycle_done:
                 self.cycles += 1
                 self.last_result = result

@@ -1,0 +1,71 @@
+"""Each user's queued jobs, read from ``queued_counts`` (issue 12): the sum of the user's rows,
+which the database's triggers append to whenever a job enters or leaves the queued state
+(hai.db.models.QueuedCount). ``QUEUED_OF`` is what the submission's queued-jobs limit reads;
+``Folding`` folds the rows into one per user from the scheduler's loop, so that sum stays a few
+rows whatever the queue's depth."""
+
+from __future__ import annotations
+
+from sqlalchemy import Integer, bindparam, delete, func, insert, select, text
+from sqlalchemy.orm import Session
+
+from hai.db.models import QueuedCount
+
+_counts = QueuedCount.__table__
+
+
+def queued_of():  # noqa: ANN201
+    """The user's (bind parameter ``user_id``) queued jobs, as a scalar subquery: an index-only
+    sum over ix_queued_counts_user_id_delta of one folded row and the changes since the fold."""
+    return (select(func.coalesce(func.sum(_counts.c.delta), 0))
+            .where(_counts.c.user_id == bindparam("user_id", type_=Integer)).scalar_subquery())
+
+
+# PostgreSQL: one statement, so the rows it sums are exactly the rows it deletes (a row a
+# concurrent transaction commits meanwhile is neither: it stays, to be summed by the next fold);
+# a second folder running at once skips the rows the first deleted
+_FOLD_POSTGRESQL = text(
+    "WITH gone AS (DELETE FROM queued_counts RETURNING user_id, delta) "
+    "INSERT INTO queued_counts (user_id, delta) SELECT user_id, sum(delta) FROM gone "
+    "GROUP BY user_id HAVING sum(delta) <> 0"
+)
+
+
+def fold(session: Session) -> None:
+    """Fold every user's rows into one (none for a user with nothing queued), in the session's
+    transaction, and commit. SQLite: under the one write lock, the rows up to the highest id are
+    summed, then deleted."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(_FOLD_POSTGRESQL)
+    else:
+        top = session.scalar(select(func.max(_counts.c.id)))
+        if top is not None:
+            upto = _counts.c.id <= top
+            session.execute(insert(_counts).from_select(
+                ["user_id", "delta"],
+                select(_counts.c.user_id, func.sum(_counts.c.delta)).where(upto)
+                .group_by(_counts.c.user_id).having(func.sum(_counts.c.delta) != 0)))
+            session.execute(delete(_counts).where(upto))
+    session.commit()
+
+
+class Folding:
+    """When to fold: after ``every`` rows have been appended since the last fold (the highest
+    id tells, one index probe), and once when the scheduler starts."""
+
+    def __init__(self, every: int = 1024) -> None:
+        self.every = every
+        self.mark: int | None = None  # the highest id right after the last fold
+
+    def maybe(self, sessions, read_sessions=None) -> bool:  # noqa: ANN001
+        """Fold when it is time; ``read_sessions`` (SQLite: deferred reads) looks, so a cycle
+        that does not fold takes no write lock."""
+        with (read_sessions or sessions)() as reading:
+            top = reading.scalar(select(func.max(_counts.c.id)))
+        if top is None or (self.mark is not None and top - self.mark < self.every):
+            return False
+        with sessions() as session:
+            fold(session)
+            self.mark = session.scalar(select(func.max(_counts.c.id))) or top
+            session.rollback()  # ends the read (SQLite: releases the database for writers)
+        return True
