@@ -53,7 +53,7 @@ class Folding:
     """When to fold: after ``every`` rows have been appended since the last fold (the highest
     id tells, one index probe), and once when the scheduler starts."""
 
-    def __init__(self, every: int = 1024) -> None:
+    def __init__(self, every: int = 256) -> None:
         self.every = every
         self.mark: int | None = None  # the highest id right after the last fold
 
