@@ -11,7 +11,9 @@ munge key and socket, slurmctld on 127.0.0.1 with 1,250 configured nodes of 8 GP
 unix socket in a temporary directory; jobs are submitted held (``--hold``) through ``sbatch`` (one
 submitter) and through slurmrestd with 1 and 8 in flight, once before the platform's cases and
 once after them (the ratios are to the mean of the two: a shared VM's speed moves from minute to
-minute). Only the processes this script started are stopped, by their process ids. Every case
+minute). Each timed case waits first (up to 60 s) until the cores are quiet (under 25% busy
+for two seconds: the previous case's work done). Only the processes this script started are
+stopped, by their process ids. Every case
 reports the CPU a job of each process on the cores: the platform's server, scheduler and
 PostgreSQL, Slurm's daemons, and the benchmark's own client.
 
@@ -79,6 +81,32 @@ def free_port() -> int:
 
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_quiet(busy_below: float = 0.25, max_s: float = 60.0) -> dict:
+    """Wait until the machine's cores are busy less than ``busy_below`` of the time for two
+    seconds running (the previous case's processes gone, PostgreSQL's checkpoint and autovacuum
+    after a bulk insert done), at most ``max_s``. A case that starts beside leftover work has its
+    CPU a job inflated (Slurm's daemons measured 1.3 and 3.7 ms a job in two runs of one evening
+    without it). Returns how long it waited and the last second's busy share."""
+    t0, quiet, share = time.perf_counter(), 0, 1.0
+    b0, n0 = _cpu_times()
+    while time.perf_counter() - t0 < max_s:
+        time.sleep(1.0)
+        b1, n1 = _cpu_times()
+        share = (b1 - b0) / max(1, n1 - n0)
+        b0, n0 = b1, n1
+        quiet = quiet + 1 if share < busy_below else 0
+        if quiet >= 2:
+            break
+    return {"waited_s": round(time.perf_counter() - t0, 1), "busy_share": round(share, 2)}
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.2):  # noqa: ANN001, ANN201
@@ -417,6 +445,7 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     # the platform's CPU per submission (user + system, from /proc): less noisy than
                     # jobs/s on a shared VM; on SQLite the scheduler is a thread of the server process
                     serving = pids["server"] + [c for p in pids["server"] for c in children(p) if not is_agent(c)]
+                    quiet = wait_quiet()  # the previous case's work (and the seeding's) done
                     c0, s0 = cpu_s(serving), cpu_s(pids["scheduler"])
                     pg = pids_named("postgres") if kind == "postgresql" else []  # its backends, WAL writer
                     pg0 = cpu_s(pg)
@@ -429,6 +458,7 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     jobs_sent = max(1, n // per) * per
                     r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / jobs_sent, 2)
                     r["scheduler_cpu_ms_per_job"] = round((cpu_s(pids["scheduler"]) - s0) * 1000 / jobs_sent, 2)
+                    r["quiet_before"] = quiet
                     if pg:
                         r["postgresql_cpu_ms_per_job"] = round((cpu_s(pg) - pg0) * 1000 / jobs_sent, 2)
                     stop_profiles(spies)
@@ -532,10 +562,12 @@ def slurm_case(n: int, n_nodes: int = 1250, batch: int = 0) -> dict:
         post_load(client, "/slurm/v0.0.38/job/submit", body, 20, 1, ok=(200,))
         daemons = [p.pid for p in procs.procs]  # munged, slurmctld, slurmrestd
         for in_flight in (1, 8):
+            quiet = wait_quiet()
             d0 = cpu_s(daemons)
             out[f"slurmrestd_in_flight_{in_flight}"] = r = post_load(client, "/slurm/v0.0.38/job/submit", body, n,
                                                                      in_flight, ok=(200,))
             r["slurm_cpu_ms_per_job"] = round((cpu_s(daemons) - d0) * 1000 / n, 2)
+            r["quiet_before"] = quiet
             print(f"  slurm      slurmrestd in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s p50 "
                   f"{r['p50_ms']:6.1f} ms p99 {r['p99_ms']:7.1f} ms  CPU/job: munged+slurmctld+slurmrestd "
                   f"{r['slurm_cpu_ms_per_job']} ms, client {r['client_cpu_ms_per_job']} ms  load {r['load']}",

@@ -83,3 +83,56 @@ def test_a_log_line_with_a_nul_is_stored_with_a_replacement_character(make_api):
     got = api.get(f"/api/v1/jobs/{job['id']}/logs").text
     assert "start" in got and "bin\ufffdary\ufffd" in got and "\x00" not in got
     assert "other's line" in api.get(f"/api/v1/jobs/{other['id']}/logs").text
+
+
+def _hello(name: str = "n9", **kw) -> dict:  # noqa: ANN003
+    from hai.protocol import AgentHello, GpuInfo
+
+    body = AgentHello(node=name, zone="A", leaf="A1", address="127.0.0.1", fake_gpus=True,
+                      gpus=[GpuInfo(index=0, uuid="GPU-0", model="Fake", memory_total_mib=81920)]).model_dump(mode="json")
+    return body | kw
+
+
+@pytest.mark.parametrize(
+    ("change", "loc"),
+    [
+        ({"node": "n\x009"}, ["body", "node"]),
+        ({"leaf": "A\x001"}, ["body", "leaf"]),
+        ({"gpus": [{"index": 0, "uuid": "GPU-\x00", "model": "Fake", "memory_total_mib": 81920}]},
+         ["body", "gpus", 0, "uuid"]),
+    ],
+)
+def test_an_agent_that_names_itself_with_a_nul_is_422_and_registers_nothing(make_api, change, loc):
+    """An agent's identity (its node, zone, leaf, address, GPUs' ids): with a NUL a clear 422
+    naming the field, never a node half-registered (PostgreSQL: it was a 500)."""
+    api = make_api()
+    r = api.client.post("/api/v1/agent/register", json=_hello(**change), headers=api.h(api.agent))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"][0]["loc"] == loc
+    assert "NUL" in r.json()["detail"][0]["msg"]
+    assert api.get("/api/v1/nodes", api.admin).json() == []
+
+
+def test_what_an_agent_saw_with_a_nul_is_stored_with_a_replacement_character(make_api):
+    """What an agent reports having seen (a check's detail, a launch error, why it stopped ranks)
+    comes from the machine and may hold any byte: a NUL there is stored as U+FFFD, and the
+    heartbeat is answered (on PostgreSQL it was a 500 every second: the node went lost)."""
+    from hai.protocol import CheckResult, Heartbeat, ValidationReport
+
+    api = make_api()
+    api.platform.settings.validation.quick_every_heartbeats = 3
+    api.register_node("n0")
+    at = time.time()
+    report = ValidationReport(run_id=None, level="quick", started_at=at, finished_at=at + 0.5, checks=[
+        CheckResult(name="gpu_xid", level="quick", critical=True, status="passed", value=0, threshold=0,
+                    unit="hardware Xid\x00 events", detail="dmesg said: \x00\x00 nothing"),
+    ])
+    hb = Heartbeat(node="n0", validations=[report])
+    r = api.client.post("/api/v1/agent/heartbeat", json=hb.model_dump(mode="json"), headers=api.h(api.agent))
+    assert r.status_code == 200, r.text
+    cache = getattr(api.client.app.state, "reply_cache", None)
+    if cache is not None:
+        cache.flush()
+    (run,) = api.get("/api/v1/nodes/n0/validations", api.admin).json()
+    (check,) = run["checks"]
+    assert (check["detail"], check["unit"]) == ("dmesg said: \ufffd\ufffd nothing", "hardware Xid\ufffd events")

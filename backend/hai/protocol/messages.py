@@ -4,7 +4,7 @@ import typing
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from hai.protocol.vocab import DesiredAction, StopCause
 
@@ -103,6 +103,27 @@ _numbers_not_bools = json_types_only
 Id = Annotated[int, Field(ge=0, le=2**63 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
+# PostgreSQL's text holds no NUL character (psycopg refuses to send one: it was a 500 there).
+# What names an agent (its node, zone, leaf, address, GPUs) is refused with one: a 422 naming
+# the field. What an agent reports having seen (a check's detail, a launch error, a GPU's id in
+# a heartbeat) comes from the machine and may hold any byte: a NUL is replaced by U+FFFD, so one
+# odd byte never turns every heartbeat of a node into an error (and the node into a lost one).
+NUL_REFUSED = "must not contain NUL characters"
+
+
+def _refuse_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError(NUL_REFUSED)
+    return value
+
+
+def _replace_nul(value: str) -> str:
+    return value.replace("\x00", "\ufffd") if "\x00" in value else value
+
+
+Name = Annotated[str, AfterValidator(_refuse_nul)]
+Seen = Annotated[str, AfterValidator(_replace_nul)]
+
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="ignore")  # newer peers may add fields
@@ -112,15 +133,15 @@ class _Msg(BaseModel):
 
 class GpuInfo(_Msg):
     index: int
-    uuid: str
-    model: str
+    uuid: Name
+    model: Name
     memory_total_mib: int
     numa_node: int | None = None
 
 
 class GpuMetrics(_Msg):
     index: int
-    uuid: str
+    uuid: Seen
     util_pct: float = 0.0
     memory_used_mib: int = 0
     memory_total_mib: int = 0
@@ -130,7 +151,7 @@ class GpuMetrics(_Msg):
 
 
 class NicInfo(_Msg):
-    name: str  # e.g. mlx5_0
+    name: Name  # e.g. mlx5_0
     numa_node: int | None = None
 
 
@@ -143,7 +164,7 @@ class RankStatus(_Msg):
 
 
 class CheckpointInfo(_Msg):
-    path: str
+    path: Seen
     step: int | None = None
     at: float  # epoch seconds when the checkpoint became safe
     duration_s: float | None = None
@@ -160,9 +181,9 @@ class AttemptStatus(_Msg):
     job_id: Id
     attempt: Count
     ranks: list[RankStatus] = Field(default_factory=list)
-    launch_error: str | None = None  # the attempt could not be launched at all
+    launch_error: Seen | None = None  # the attempt could not be launched at all
     suspend_ready: bool = False  # the job said its checkpoint is safe
-    stopped_reason: str | None = None  # why the agent stopped ranks (grace expired, watchdog, runtime)
+    stopped_reason: Seen | None = None  # why the agent stopped ranks (grace expired, watchdog, runtime)
     checkpoint: CheckpointInfo | None = None
     progress: ProgressInfo | None = None
     # Added by the agent (optional, older peers ignore them):
@@ -172,33 +193,33 @@ class AttemptStatus(_Msg):
     # machine-readable companion of stopped_reason (StopCause: "requested", "suspend",
     # "suspend_timeout", "max_runtime", "log_watchdog", "rank_failed", "unassigned",
     # "not_launched"). A cause this side does not know (a newer peer) stays a plain string.
-    stop_cause: StopCause | str | None = Field(default=None, union_mode="left_to_right")
+    stop_cause: StopCause | Seen | None = Field(default=None, union_mode="left_to_right")
     started_at: float | None = None  # epoch seconds when the ranks were launched
     finished_at: float | None = None  # epoch seconds when the last rank here ended
     suspend_requested_at: float | None = None  # when the agent delivered the suspend request
     # issue 13: writes the job could not make for lack of space ("<path>: <error>"), as the SDK
     # reported them (hai.sdk.StorageFull); the server records each once as a job event
-    storage_errors: list[str] = Field(default_factory=list)
+    storage_errors: list[Seen] = Field(default_factory=list)
 
 
 class AgentHello(_Msg):
     """Handshake: sent when the agent starts and whenever the server asks it to re-register."""
 
     protocol_version: int = _VERSION_FIELD
-    node: str
-    zone: str | None = None
-    leaf: str | None = None
-    address: str  # reachable address of the node (MASTER_ADDR for jobs whose rank 0 is here)
+    node: Name
+    zone: Name | None = None
+    leaf: Name | None = None
+    address: Name  # reachable address of the node (MASTER_ADDR for jobs whose rank 0 is here)
     gpus: list[GpuInfo]
     nics: list[NicInfo] = Field(default_factory=list)
     fake_gpus: bool = False
-    agent_version: str = "0"
+    agent_version: Name = "0"
     attempts: list[AttemptStatus] = Field(default_factory=list)  # reattached after a restart
 
 
 class Heartbeat(_Msg):
     protocol_version: int = _VERSION_FIELD
-    node: str
+    node: Name
     gpus: list[GpuMetrics] = Field(default_factory=list)
     attempts: list[AttemptStatus] = Field(default_factory=list)
     # long poll: the server may hold the reply up to this long until the node's assignments change
@@ -268,12 +289,12 @@ class LogLine(_Msg):
     seq: Count  # per (job, attempt, rank), from 0, so a re-sent batch is not stored twice
     ts: float
     stream: Literal["stdout", "stderr", "system"] = "stdout"
-    line: str
+    line: str  # a NUL is stored as U+FFFD (services/logs.clip)
 
 
 class LogBatch(_Msg):
     protocol_version: int = _VERSION_FIELD
-    node: str
+    node: Name
     # lines the agent dropped because its buffer overflowed arrive as a "system" line
     # ("[hai] N lines dropped ...") in the same sequence, so the gap is visible and counted
     lines: list[LogLine] = Field(default_factory=list)

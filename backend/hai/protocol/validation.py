@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hai.protocol.messages import GpuInfo, _numbers_not_bools
+from hai.protocol.messages import GpuInfo, Seen, _numbers_not_bools
 
 Level = Literal["quick", "full"]
 CheckStatus = Literal["passed", "failed", "skipped"]
@@ -40,14 +40,14 @@ class ValidationRequest(_Msg):
 
 
 class CheckResult(_Msg):
-    name: str
+    name: Seen
     level: Level
     critical: bool
     status: CheckStatus
     value: float | None = None  # the measured figure (failed and passed)
     threshold: float | None = None  # the limit it was judged against
-    unit: str = ""
-    detail: str = ""  # why it failed or was skipped; what it saw
+    unit: Seen = ""
+    detail: Seen = ""  # why it failed or was skipped; what it saw
     duration_s: float = 0.0
     data: dict = Field(default_factory=dict)  # structured extras (e.g. the Xid events found)
 
