@@ -24,7 +24,7 @@ from limits import RateLimitItemPerSecond
 from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
-from hai.schemas.common import NUL_MSG
+from hai.protocol.messages import NUL_MSG
 from hai.services.errors import TooMany
 from hai.settings import LimitsSettings
 

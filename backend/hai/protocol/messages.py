@@ -106,23 +106,25 @@ Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # PostgreSQL's text holds no NUL character (psycopg refuses to send one: it was a 500 there).
 # What names an agent (its node, zone, leaf, address, GPUs) is refused with one: a 422 naming
 # the field. What an agent reports having seen (a check's detail, a launch error, a GPU's id in
-# a heartbeat) comes from the machine and may hold any byte: a NUL is replaced by U+FFFD, so one
-# odd byte never turns every heartbeat of a node into an error (and the node into a lost one).
-NUL_REFUSED = "must not contain NUL characters"
+# a heartbeat, a job's log line) comes from the machine and may hold any byte: a NUL is replaced
+# by U+FFFD, so one odd byte never turns every heartbeat of a node into an error (and the node
+# into a lost one). The API's own text fields refuse a NUL with the same message
+# (hai.schemas.common.Text, the URL's guard).
+NUL_MSG = "must not contain NUL characters"
 
 
-def _refuse_nul(value: str) -> str:
+def refuse_nul(value: str) -> str:
     if "\x00" in value:
-        raise ValueError(NUL_REFUSED)
+        raise ValueError(NUL_MSG)
     return value
 
 
-def _replace_nul(value: str) -> str:
+def replace_nul(value: str) -> str:
     return value.replace("\x00", "\ufffd") if "\x00" in value else value
 
 
-Name = Annotated[str, AfterValidator(_refuse_nul)]
-Seen = Annotated[str, AfterValidator(_replace_nul)]
+Name = Annotated[str, AfterValidator(refuse_nul)]
+Seen = Annotated[str, AfterValidator(replace_nul)]
 
 
 class _Msg(BaseModel):

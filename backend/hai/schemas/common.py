@@ -7,23 +7,15 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from hai.domain.jobs import Priority
 from hai.domain.nodes import NodeState
-from hai.protocol.messages import json_types_only
+from hai.protocol.messages import json_types_only, refuse_nul
 
-
-NUL_MSG = "must not contain NUL characters"  # (also the URL's refusal: ``api.guards.BodyLimit``)
-NO_NUL_PATTERN = "^[^\\x00]*$"  # the same rule, stated in the OpenAPI schema
-
-
-def _no_nul(value: str) -> str:
-    if "\0" in value:
-        raise ValueError(NUL_MSG)
-    return value
+NO_NUL_PATTERN = "^[^\\x00]*$"  # refuse_nul's rule, stated in the OpenAPI schema
 
 
 # text a client sends that the database stores: PostgreSQL's text holds no NUL character (psycopg
 # refuses to send one, which was a 500 there and a 201 on SQLite); refused alike on every database
 # as a 422 naming the field, and stated in the schema
-Text = Annotated[str, AfterValidator(_no_nul), Field(json_schema_extra={"pattern": NO_NUL_PATTERN})]
+Text = Annotated[str, AfterValidator(refuse_nul), Field(json_schema_extra={"pattern": NO_NUL_PATTERN})]
 
 
 class UserRead(BaseModel):

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from hai.db.models import Job, LogLine
 from hai.domain.jobs import JobState
 from hai.protocol import LogBatch
+from hai.protocol.messages import replace_nul
 from hai.services import notify
 from hai.services.auth import Principal
 from hai.services.context import Platform
@@ -33,8 +34,7 @@ def clip(line: str, max_chars: int) -> str:
     (a job that prints binary) is stored as U+FFFD, as the agent stores bytes that are not UTF-8:
     PostgreSQL's text holds no NUL, and psycopg's refusal failed the node's whole batch (a 500 the
     agent retried, every job's lines of that node held behind it)."""
-    if "\0" in line:
-        line = line.replace("\0", "\ufffd")
+    line = replace_nul(line)
     if len(line) <= max_chars:
         return line
     return line[:max_chars] + " " + TRUNCATED.format(n=len(line) - max_chars)
