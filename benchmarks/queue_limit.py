@@ -25,12 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api_load import cpu_s, loadavg, pids_named, reset_postgres  # noqa: E402
-from sqlalchemy import create_engine, text  # noqa: E402
-from sqlalchemy.orm import Session  # noqa: E402
+from api_load import cpu_s, loadavg, pids_named, reset_postgres, seed_jobs, seed_nodes, seed_users  # noqa: E402
+from sqlalchemy import text  # noqa: E402
 
-from hai.db.migrate import upgrade  # noqa: E402
-from hai.db.models import Node, User  # noqa: E402
 from hai.schemas.jobs import JobCreate  # noqa: E402
 from hai.services import jobs as job_service  # noqa: E402
 from hai.services.auth import Principal  # noqa: E402
@@ -46,34 +43,19 @@ LIMIT = 1_000_000
 SPEC = JobCreate.model_validate({"name": "bench", "command": ["sleep", "3600"], "gpus_per_node": 1})
 
 
-def seed(url: str, depth: int) -> Principal:
-    """Two 8-GPU nodes, the user, and ``depth`` queued jobs of theirs (one statement)."""
-    engine = create_engine(url)
-    now = "2026-12-05 00:00:00+00"
-    with Session(engine) as s:
-        s.add_all([Node(name=n, zone="A", leaf="A1", gpus=8, state="ready") for n in ("n0", "n1")])
-        user = User(name="bench", group="g")
-        s.add(user)
-        s.commit()
-        uid = user.id
-    with engine.begin() as c:
-        if depth:
-            series = ("SELECT generate_series(1, :d) AS i" if engine.dialect.name == "postgresql" else
-                      "WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s WHERE i < :d) SELECT i FROM s")
-            c.execute(text(
-                "INSERT INTO jobs (name, user_id, user_name, \"group\", command, env, tags, job_type, nodes,"
-                " gpus_per_node, priority, submitted_priority, allow_cross_zone, suspend_grace_s, state, created_at,"
-                " queued_at, attempt, suspensions, restarts, reserved_nodes, desired_action, user_suspended,"
-                " lost_gpu_s, run_s, pending_reason) SELECT 'old', :u, 'bench', 'g', '[\"true\"]', '{}', '[]',"
-                " 'command', 1, 1, 'NORMAL', 'NORMAL', false, 60, 'queued', :t, :t, 0, 0, 0, '[]', 'run', false, 0, 0,"
-                f" 'waiting' FROM ({series}) AS s"), {"u": uid, "d": depth, "t": now})
-    engine.dispose()
-    return Principal(kind="user", name="bench", user_id=uid, group="g", is_admin=False)
+def seed(url: str, depth: int, work: Path) -> Principal:
+    """Two 8-GPU nodes, the users, and ``depth`` queued jobs of the submitting user's own (with
+    api_load's seeding)."""
+    settings = Settings(data_dir=work, db={"url": url})
+    _token, _agent, users = seed_users(settings)  # migrates the database
+    seed_nodes(settings, 2)
+    seed_jobs(url, users[:1], depth)
+    uid, name = users[0]
+    return Principal(kind="user", name=name, user_id=uid, group="bench", is_admin=False)
 
 
 def case(url: str, depth: int, n: int, work: Path) -> dict:
-    upgrade(url)
-    user = seed(url, depth)
+    user = seed(url, depth, work)
     platform = Platform.from_settings(Settings(data_dir=work, db={"url": url}))
     folding = queued_counts.Folding() if queued_counts else None
     scheduler = Platform.from_settings(Settings(data_dir=work, db={"url": url}))  # its own pool, as its process
