@@ -121,8 +121,8 @@ _nodes, _jobs = Node.__table__, Job.__table__
 def _admission(count_queued: bool):  # noqa: ANN202
     """The cluster-fit aggregate (nodes, the largest node, nodes of exactly the job's GPUs) and,
     when ``count_queued``, the user's queued jobs (the sum of their queued_counts rows, kept by
-    the database's triggers: a few rows, not a count of the queue). Built once with bind parameters: the compiled statement and its cache key
-    are reused (issue 12)."""
+    the database's triggers: a few rows, not a count of the queue). Built once with bind
+    parameters: the compiled statement and its cache key are reused (issue 12)."""
     columns = [
         func.count(_nodes.c.id),
         func.coalesce(func.max(_nodes.c.gpus), 0),

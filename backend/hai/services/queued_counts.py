@@ -1,6 +1,6 @@
 """Each user's queued jobs, read from ``queued_counts`` (issue 12): the sum of the user's rows,
 which the database's triggers append to whenever a job enters or leaves the queued state
-(hai.db.models.QueuedCount). ``QUEUED_OF`` is what the submission's queued-jobs limit reads;
+(hai.db.models.QueuedCount). ``queued_of`` is what the submission's queued-jobs limit reads;
 ``Folding`` folds the rows into one per user from the scheduler's loop, so that sum stays a few
 rows whatever the queue's depth."""
 
