@@ -32,9 +32,7 @@ def uvicorn_thread(app, **config) -> Iterator[str]:  # noqa: ANN001, ANN003
     import uvicorn
 
     from hai.agent.testing import wait_for
-    from hai.api.http import CoalescingHttpToolsProtocol
 
-    config.setdefault("http", CoalescingHttpToolsProtocol)  # what `hai server` and `hai dev` run
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import uvicorn
 
-from hai.api.http import CoalescingHttpToolsProtocol
 from hai.db.migrate import upgrade
 from hai.main import create_app
 from hai.services import auth
@@ -134,7 +133,7 @@ def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", 
     stack.prepare()
     assert stack.platform is not None
     app = create_app(stack.platform, tune_gc=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=CoalescingHttpToolsProtocol)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
     server = uvicorn.Server(config)
     started = threading.Event()
 
