@@ -1,8 +1,10 @@
-"""Each user's queued jobs kept by the database (issue 12, migration 0018): triggers on ``jobs``
-append +1 / -1 rows to ``queued_counts`` whenever a job enters or leaves the queued state, the
-submission's queued-jobs limit reads their sum, and the scheduler folds them into one row per
-user (services/queued_counts). The sum must equal ``count(*)`` of the user's queued jobs after
-every kind of write, folded or not, with writers running while it folds; on SQLite and
+"""Each user's queued jobs kept by the database (issue 12, migrations 0018 and 0019): triggers on
+``jobs`` append +1 / -1 rows to ``queued_counts`` whenever a job enters or leaves the queued
+state (and the held part: +1 / -1 in ``held`` for a job its owner holds, a pair of rows when a
+queued job is held or released), the submission's queued-jobs limit reads the user's sum, a
+scheduling cycle the sum of the jobs not held, and the scheduler folds them into one row per
+user (services/queued_counts). The sums must equal ``count(*)`` of the queued (and held) jobs
+after every kind of write, folded or not, with writers running while it folds; on SQLite and
 PostgreSQL."""
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hai.services.context import Platform
 from hai.services.jobs import requeue_as_restart, transition
 from hai.services.leader import leadership
 from hai.services.runner import SchedulerLoop
+from hai.services.scheduling import _queued_and_demotable
 from hai.settings import Settings
 from tests.conftest import Api
 
@@ -55,29 +58,41 @@ def api(request, tmp_path):
     platform.close()
 
 
-def _kept(session) -> dict[int, int]:  # noqa: ANN001
-    rows = session.execute(select(QueuedCount.user_id, func.sum(QueuedCount.delta)).group_by(QueuedCount.user_id))
-    return {u: int(n) for u, n in rows if n}
+def _kept(session) -> dict[int, tuple[int, int]]:  # noqa: ANN001
+    rows = session.execute(select(QueuedCount.user_id, func.sum(QueuedCount.delta), func.sum(QueuedCount.held))
+                           .group_by(QueuedCount.user_id))
+    return {u: (int(n), int(h)) for u, n, h in rows if n or h}
 
 
-def _counted(session) -> dict[int, int]:  # noqa: ANN001
-    rows = session.execute(select(Job.user_id, func.count()).where(Job.state == JobState.QUEUED.value)
-                           .group_by(Job.user_id))
-    return {u: int(n) for u, n in rows}
+def _counted(session) -> dict[int, tuple[int, int]]:  # noqa: ANN001
+    rows = session.execute(select(Job.user_id, func.count(), func.count().filter(Job.user_suspended.is_(True)))
+                           .where(Job.state == JobState.QUEUED.value).group_by(Job.user_id))
+    return {u: (int(n), int(h)) for u, n, h in rows}
 
 
 def _same(api: Api) -> dict[int, int]:
-    """The kept counts equal a count of the queue; returns them."""
+    """The kept counts (each user's queued and held jobs, and the queue's jobs not held as a
+    scheduling cycle reads them) equal a count of the queue; returns each user's queued."""
     with api.platform.read_sessions() as s:
         kept, counted = _kept(s), _counted(s)
+        ready = s.scalar(select(queued_counts.ready()))
+        not_held = s.scalar(select(func.count()).select_from(Job).where(
+            Job.state == JobState.QUEUED.value, Job.user_suspended.is_(False)))
+        cycle_reads = _queued_and_demotable(s)[0]
     assert kept == counted
-    return kept
+    assert ready == not_held == cycle_reads
+    return {u: n for u, (n, _) in kept.items()}
 
 
 def _write(api: Api, fn) -> None:  # noqa: ANN001
     with api.platform.sessions() as s:
         fn(s)
         s.commit()
+
+
+def _held(api: Api) -> int:
+    with api.platform.read_sessions() as s:
+        return sum(h for _, h in _kept(s).values())
 
 
 def _fold(api: Api) -> None:
@@ -103,7 +118,19 @@ def test_the_kept_counts_follow_every_way_a_job_enters_or_leaves_the_queue(api):
         api.post(f"/api/v1/jobs/{queued[0]}/cancel", api.admin).raise_for_status()
         _same(api)
         api.post(f"/api/v1/jobs/{queued[1]}/suspend", api.admin).raise_for_status()  # held: still queued
+        assert _same(api) and _held(api) == 1
+        _fold(api)
+        assert _held(api) == 1
         api.post(f"/api/v1/jobs/{queued[1]}/resume", api.admin).raise_for_status()
+        assert _same(api) and _held(api) == 0
+        # held and released behind the application's back, and a held job cancelled
+        _write(api, lambda s: s.execute(update(Job).where(Job.id.in_(queued[1:3])).values(user_suspended=True)))
+        assert _same(api) and _held(api) == 2
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[2]).values(user_suspended=False)))
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[1]).values(state="cancelled")))
+        assert _same(api) and _held(api) == 0
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[1]).values(state="queued")))
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[1]).values(user_suspended=False)))
         _same(api)
 
         def restart(s):  # noqa: ANN001  (a lost node's job back in the queue)
@@ -169,7 +196,7 @@ def test_folding_while_others_write_loses_no_change(api):
         jobs = list(s.scalars(select(Job).order_by(Job.id).limit(6).offset(n % 5)))
         for k, job in enumerate(jobs):
             state = JobState.QUEUED.value if job.state != JobState.QUEUED.value else ("running", "cancelled")[k % 2]
-            s.execute(update(Job).where(Job.id == job.id).values(state=state))
+            s.execute(update(Job).where(Job.id == job.id).values(state=state, user_suspended=(n + k) % 3 == 0))
 
     t = threading.Thread(target=folder)
     t.start()
@@ -209,8 +236,9 @@ def bare_url(request, tmp_path):
 
 
 def test_the_upgrade_counts_the_jobs_already_queued(bare_url):
-    """0018 on a database with jobs: one row a user, the count of their queued jobs; the
-    triggers there keep it from then on; a downgrade removes table and triggers."""
+    """0018 and 0019 on a database with jobs: one row a user, the count of their queued jobs
+    and of those held; the triggers there keep them from then on; a downgrade to 0018 keeps the
+    counts of queued jobs without the held ones, and one to 0017 removes table and triggers."""
     upgrade(bare_url, "0017")
     engine = create_engine(bare_url)
     now = utcnow()
@@ -218,20 +246,34 @@ def test_the_upgrade_counts_the_jobs_already_queued(bare_url):
         for uid, name in ((1, "u1"), (2, "u2"), (3, "u3")):
             c.execute(text("INSERT INTO users (id, name, \"group\", is_admin, created_at) "
                            "VALUES (:i, :n, 'g', false, :t)"), {"i": uid, "n": name, "t": now})
-        for k, (uid, state) in enumerate([(1, "queued")] * 3 + [(1, "running"), (2, "queued"), (3, "succeeded")]):
+        rows = [(1, "queued", False)] * 3 + [(1, "running", False), (2, "queued", False), (2, "queued", True),
+                                             (2, "running", True), (3, "succeeded", False)]
+        for k, (uid, state, held) in enumerate(rows):
             c.execute(text(
                 "INSERT INTO jobs (name, user_id, user_name, \"group\", command, env, tags, job_type, nodes,"
                 " gpus_per_node, priority, submitted_priority, allow_cross_zone, suspend_grace_s, state, created_at,"
                 " queued_at, attempt, suspensions, restarts, reserved_nodes, desired_action, user_suspended,"
                 " lost_gpu_s, run_s) VALUES (:n, :u, :un, 'g', '[]', '{}', '[]', 'command', 1, 1, 'NORMAL', 'NORMAL',"
-                " false, 60, :s, :t, :t, 0, 0, 0, '[]', 'run', false, 0, 0)"),
-                {"n": f"j{k}", "u": uid, "un": f"u{uid}", "s": state, "t": now})
-    upgrade(bare_url)
+                " false, 60, :s, :t, :t, 0, 0, 0, '[]', 'run', :h, 0, 0)"),
+                {"n": f"j{k}", "u": uid, "un": f"u{uid}", "s": state, "t": now, "h": held})
+    upgrade(bare_url, "0018")
     with engine.begin() as c:
-        assert sorted(c.execute(text("SELECT user_id, delta FROM queued_counts")).all()) == [(1, 3), (2, 1)]
+        assert sorted(c.execute(text("SELECT user_id, delta FROM queued_counts")).all()) == [(1, 3), (2, 2)]
+    upgrade(bare_url)
+    sums = text("SELECT user_id, sum(delta), sum(held) FROM queued_counts GROUP BY user_id")
+    with engine.begin() as c:
+        assert {u: (int(n), int(h)) for u, n, h in c.execute(sums)} == {1: (3, 0), 2: (2, 1)}
         c.execute(text("UPDATE jobs SET state = 'queued' WHERE user_id = 3"))
+        c.execute(text("UPDATE jobs SET user_suspended = true WHERE user_id = 1 AND state = 'queued'"))
+        assert {u: (int(n), int(h)) for u, n, h in c.execute(sums)} == {1: (3, 3), 2: (2, 1), 3: (1, 0)}
+    engine.dispose()
+    downgrade(bare_url, "0018")
+    engine = create_engine(bare_url)
+    with engine.begin() as c:
+        assert "held" not in {col["name"] for col in engine.dialect.get_columns(c, "queued_counts")}
+        c.execute(text("UPDATE jobs SET user_suspended = false, state = 'cancelled' WHERE user_id = 2"))
         assert dict(c.execute(text("SELECT user_id, sum(delta) FROM queued_counts GROUP BY user_id")).all()) == \
-            {1: 3, 2: 1, 3: 1}
+            {1: 3, 2: 0, 3: 1}
     engine.dispose()
     downgrade(bare_url, "0017")
     engine = create_engine(bare_url)

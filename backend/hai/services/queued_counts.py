@@ -1,12 +1,13 @@
 """Each user's queued jobs, read from ``queued_counts`` (issue 12): the sum of the user's rows,
-which the database's triggers append to whenever a job enters or leaves the queued state
-(hai.db.models.QueuedCount). ``queued_of`` is what the submission's queued-jobs limit reads;
+which the database's triggers append to whenever a job enters or leaves the queued state, or a
+queued job is held or released (hai.db.models.QueuedCount). ``queued_of`` is what the
+submission's queued-jobs limit reads, ``ready`` what a scheduling cycle counts;
 ``Folding`` folds the rows into one per user from the scheduler's loop, so that sum stays a few
 rows whatever the queue's depth."""
 
 from __future__ import annotations
 
-from sqlalchemy import Integer, bindparam, delete, func, insert, select, text
+from sqlalchemy import Integer, bindparam, delete, func, insert, or_, select, text
 from sqlalchemy.orm import Session
 
 from hai.db.models import QueuedCount
@@ -21,13 +22,19 @@ def queued_of():  # noqa: ANN201
             .where(_counts.c.user_id == bindparam("user_id", type_=Integer)).scalar_subquery())
 
 
+def ready():  # noqa: ANN201
+    """Every user's queued jobs that are not held (what a scheduling cycle considers), as a
+    scalar subquery: the sum over the whole table, a few rows a user once folded."""
+    return select(func.coalesce(func.sum(_counts.c.delta - _counts.c.held), 0)).scalar_subquery()
+
+
 # PostgreSQL: one statement, so the rows it sums are exactly the rows it deletes (a row a
 # concurrent transaction commits meanwhile is neither: it stays, to be summed by the next fold);
 # a second folder running at once skips the rows the first deleted
 _FOLD_POSTGRESQL = text(
-    "WITH gone AS (DELETE FROM queued_counts RETURNING user_id, delta) "
-    "INSERT INTO queued_counts (user_id, delta) SELECT user_id, sum(delta) FROM gone "
-    "GROUP BY user_id HAVING sum(delta) <> 0"
+    "WITH gone AS (DELETE FROM queued_counts RETURNING user_id, delta, held) "
+    "INSERT INTO queued_counts (user_id, delta, held) SELECT user_id, sum(delta), sum(held) FROM gone "
+    "GROUP BY user_id HAVING sum(delta) <> 0 OR sum(held) <> 0"
 )
 
 
@@ -42,9 +49,10 @@ def fold(session: Session) -> None:
         if top is not None:
             upto = _counts.c.id <= top
             session.execute(insert(_counts).from_select(
-                ["user_id", "delta"],
-                select(_counts.c.user_id, func.sum(_counts.c.delta)).where(upto)
-                .group_by(_counts.c.user_id).having(func.sum(_counts.c.delta) != 0)))
+                ["user_id", "delta", "held"],
+                select(_counts.c.user_id, func.sum(_counts.c.delta), func.sum(_counts.c.held)).where(upto)
+                .group_by(_counts.c.user_id)
+                .having(or_(func.sum(_counts.c.delta) != 0, func.sum(_counts.c.held) != 0))))
             session.execute(delete(_counts).where(upto))
     session.commit()
 

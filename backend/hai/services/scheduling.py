@@ -20,7 +20,7 @@ from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
 from hai.domain.nodes import SCHEDULABLE_STATES
 from hai.domain.scheduler.victims import DEMOTED
-from hai.services import faults, notify
+from hai.services import faults, notify, queued_counts
 from hai.services.jobs import SCHEDULER_EPOCH, publish_after_commit, record_event, transition
 from hai.settings import Settings, get_settings
 
@@ -373,20 +373,17 @@ def _refresh_pg(session: Session, queue: QueueCache) -> dict[int, QueuedNow]:
     their pending reasons and reservations as read.
 
     One statement, so one snapshot (at any isolation level) for the horizon, the count of queued
-    jobs and the rows: ``h``, one row, LEFT JOINed to the rows to read (so the horizon comes
+    jobs not held (queued_counts, written by the same transactions as the rows it counts) and
+    the rows: ``h``, one row, LEFT JOINed to the rows to read (so the horizon comes
     even when none is). The horizon is the snapshot's xmin: every transaction with a smaller id
     had ended when the rows were read (its rows were seen, or it aborted), and this one's own id
     if it is smaller (a fenced transaction has one from its UPDATE of the lease row; what it
     writes after the read must be read again next cycle). A later write is by a transaction whose id is not
     smaller: in progress at the read (>= xmin) or begun after it (>= xmax)."""
-    qcount = (
-        select(func.count()).select_from(Job)
-        .where(Job.state == JobState.QUEUED.value, Job.user_suspended.is_(False)).scalar_subquery()
-    )
     h = select(
         literal_column(PG_HORIZON).label("horizon"),
         literal_column("pg_snapshot_xmax(pg_current_snapshot())::text::bigint").label("next_xid"),
-        qcount.label("queued"),
+        queued_counts.ready().label("queued"),  # the queued jobs not held, kept by the database
     ).subquery("h")
     while True:
         full = queue.mark is None
@@ -477,16 +474,13 @@ _DEMOTABLE = DEMOTED.value  # the one priority whose running jobs a cycle demote
 
 
 def _queued_and_demotable(session: Session) -> tuple[int, int]:
-    """How many queued jobs are not held, and how many active jobs have the priority a cycle
-    demotes: one aggregate."""
+    """How many queued jobs are not held (kept by the database: queued_counts, a few rows
+    whatever the queue's depth), and how many active jobs have the priority a cycle demotes
+    (ix_jobs_state_priority over the active jobs): one statement, one snapshot."""
     active = [s.value for s in ACTIVE_STATES]
-    queued, demotable = session.execute(
-        select(
-            func.coalesce(func.sum(case((and_(Job.state == JobState.QUEUED.value, Job.user_suspended.is_(False)), 1),
-                                        else_=0)), 0),
-            func.coalesce(func.sum(case((and_(Job.state.in_(active), Job.priority == _DEMOTABLE), 1), else_=0)), 0),
-        ).where(Job.state.in_([*active, JobState.QUEUED.value]))
-    ).one()
+    demotable = (select(func.count()).select_from(Job)
+                 .where(Job.state.in_(active), Job.priority == _DEMOTABLE).scalar_subquery())
+    queued, demotable = session.execute(select(queued_counts.ready(), demotable)).one()
     return int(queued), int(demotable)
 
 

@@ -398,16 +398,18 @@ END $$"""]
 
 class QueuedCount(Base):
     """Each user's queued jobs, kept by the database (issue 12): the user's count is the sum of
-    ``delta`` over their rows. Triggers on ``jobs`` append +1 when a row of the user becomes
-    queued (inserted queued, requeued, resumed) and -1 when one stops being queued (started,
-    cancelled, deleted), whoever writes it (a submission, the scheduler, an agent's pass, raw
-    SQL). Appends only: no row is updated by a writer, so concurrent writers take no lock of it
-    (a per-user row updated in place would be a hot row, and two transactions that touch two
-    users in opposite orders would deadlock on it). The scheduler folds the rows into one per
-    user now and then (services/queued_counts.py), so the sum reads a handful of rows. The
-    submission's queued-jobs limit read ``count(*)`` of the user's queued jobs instead: at 8,000
-    of them that was 0.86 ms of PostgreSQL's CPU a submission (2 ms at 10,000), growing with the
-    user's own queue."""
+    ``delta`` over their rows, and of those held by their owner (``user_suspended``) the sum of
+    ``held``. Triggers on ``jobs`` append (+1, +1 if held) when a row of the user becomes queued
+    (inserted queued, requeued, resumed) and (-1, -1 if it was held) when one stops being queued
+    (started, cancelled, deleted), and the two rows of both when a queued job is held or released,
+    whoever writes it (a submission, the scheduler, an agent's pass, raw SQL). Appends only: no
+    row is updated by a writer, so concurrent writers take no lock of it (a per-user row updated
+    in place would be a hot row, and two transactions that touch two users in opposite orders
+    would deadlock on it). The scheduler folds the rows into one per user now and then
+    (services/queued_counts.py), so a sum reads a handful of rows. The submission's queued-jobs
+    limit read ``count(*)`` of the user's queued jobs instead: at 8,000 of them that was 0.86 ms
+    of PostgreSQL's CPU a submission (2 ms at 10,000), growing with the user's own queue; and
+    every scheduling cycle counted the whole queue's jobs not held, twice (9.5 ms at 10,000)."""
 
     __tablename__ = "queued_counts"
     __table_args__ = (Index("ix_queued_counts_user_id_delta", "user_id", "delta"),)
@@ -415,6 +417,7 @@ class QueuedCount(Base):
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     user_id: Mapped[int] = mapped_column(Integer)
     delta: Mapped[int] = mapped_column(Integer)
+    held: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 # the state whose rows queued_counts counts (JobState.QUEUED; the models do not import the domain)
@@ -422,19 +425,20 @@ _QUEUED = "'queued'"
 
 
 def queued_count_ddl(dialect: str) -> list[str]:
-    """The triggers that keep queued_counts (created by migration 0018 and, for create_all, by
-    the listener below). Row triggers with a WHEN clause: an update that does not move a row into
-    or out of the queued state (a pending reason, a heartbeat's progress) runs no trigger code.
-    A batch migration that copies the jobs table on SQLite drops them: re-create them after it."""
+    """The triggers that keep queued_counts (created by migrations 0018 and 0019 and, for
+    create_all, by the listener below). Row triggers with a WHEN clause: an update that does not
+    move a row into or out of the queued state, or hold or release a queued one (a pending
+    reason, a heartbeat's progress), runs no trigger code. A batch migration that copies the jobs
+    table on SQLite drops them: re-create them after it."""
     if dialect == "postgresql":
         return [
             f"""CREATE OR REPLACE FUNCTION hai_queued_count() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
   IF TG_OP <> 'INSERT' AND OLD.state = {_QUEUED} THEN
-    INSERT INTO queued_counts (user_id, delta) VALUES (OLD.user_id, -1);
+    INSERT INTO queued_counts (user_id, delta, held) VALUES (OLD.user_id, -1, -OLD.user_suspended::int);
   END IF;
   IF TG_OP <> 'DELETE' AND NEW.state = {_QUEUED} THEN
-    INSERT INTO queued_counts (user_id, delta) VALUES (NEW.user_id, 1);
+    INSERT INTO queued_counts (user_id, delta, held) VALUES (NEW.user_id, 1, NEW.user_suspended::int);
   END IF;
   RETURN NULL;
 END $$""",
@@ -443,21 +447,27 @@ END $$""",
             "DROP TRIGGER IF EXISTS jobs_queued_delete ON jobs",
             f"CREATE TRIGGER jobs_queued_insert AFTER INSERT ON jobs FOR EACH ROW WHEN (NEW.state = {_QUEUED}) "
             "EXECUTE FUNCTION hai_queued_count()",
-            f"CREATE TRIGGER jobs_queued_update AFTER UPDATE OF state, user_id ON jobs FOR EACH ROW "
-            f"WHEN ((OLD.state = {_QUEUED} OR NEW.state = {_QUEUED}) "
-            "AND (OLD.state, OLD.user_id) IS DISTINCT FROM (NEW.state, NEW.user_id)) EXECUTE FUNCTION hai_queued_count()",
+            f"CREATE TRIGGER jobs_queued_update AFTER UPDATE OF state, user_id, user_suspended ON jobs FOR EACH ROW "
+            f"WHEN ((OLD.state = {_QUEUED} OR NEW.state = {_QUEUED}) AND (OLD.state, OLD.user_id, OLD.user_suspended) "
+            "IS DISTINCT FROM (NEW.state, NEW.user_id, NEW.user_suspended)) EXECUTE FUNCTION hai_queued_count()",
             f"CREATE TRIGGER jobs_queued_delete AFTER DELETE ON jobs FOR EACH ROW WHEN (OLD.state = {_QUEUED}) "
             "EXECUTE FUNCTION hai_queued_count()",
         ]
     return [
-        f"CREATE TRIGGER IF NOT EXISTS jobs_queued_insert AFTER INSERT ON jobs WHEN NEW.state = {_QUEUED} "
-        "BEGIN INSERT INTO queued_counts (user_id, delta) VALUES (NEW.user_id, 1); END",
-        f"CREATE TRIGGER IF NOT EXISTS jobs_queued_update AFTER UPDATE OF state, user_id ON jobs "
-        f"WHEN (OLD.state = {_QUEUED} OR NEW.state = {_QUEUED}) AND (OLD.state IS NOT NEW.state OR OLD.user_id IS NOT NEW.user_id) "
-        f"BEGIN INSERT INTO queued_counts (user_id, delta) SELECT OLD.user_id, -1 WHERE OLD.state = {_QUEUED}; "
-        f"INSERT INTO queued_counts (user_id, delta) SELECT NEW.user_id, 1 WHERE NEW.state = {_QUEUED}; END",
-        f"CREATE TRIGGER IF NOT EXISTS jobs_queued_delete AFTER DELETE ON jobs WHEN OLD.state = {_QUEUED} "
-        "BEGIN INSERT INTO queued_counts (user_id, delta) VALUES (OLD.user_id, -1); END",
+        "DROP TRIGGER IF EXISTS jobs_queued_insert",
+        "DROP TRIGGER IF EXISTS jobs_queued_update",
+        "DROP TRIGGER IF EXISTS jobs_queued_delete",
+        f"CREATE TRIGGER jobs_queued_insert AFTER INSERT ON jobs WHEN NEW.state = {_QUEUED} "
+        "BEGIN INSERT INTO queued_counts (user_id, delta, held) VALUES (NEW.user_id, 1, NEW.user_suspended); END",
+        f"CREATE TRIGGER jobs_queued_update AFTER UPDATE OF state, user_id, user_suspended ON jobs "
+        f"WHEN (OLD.state = {_QUEUED} OR NEW.state = {_QUEUED}) AND (OLD.state IS NOT NEW.state "
+        "OR OLD.user_id IS NOT NEW.user_id OR OLD.user_suspended IS NOT NEW.user_suspended) "
+        f"BEGIN INSERT INTO queued_counts (user_id, delta, held) SELECT OLD.user_id, -1, -OLD.user_suspended "
+        f"WHERE OLD.state = {_QUEUED}; "
+        "INSERT INTO queued_counts (user_id, delta, held) SELECT NEW.user_id, 1, NEW.user_suspended "
+        f"WHERE NEW.state = {_QUEUED}; END",
+        f"CREATE TRIGGER jobs_queued_delete AFTER DELETE ON jobs WHEN OLD.state = {_QUEUED} "
+        "BEGIN INSERT INTO queued_counts (user_id, delta, held) VALUES (OLD.user_id, -1, -OLD.user_suspended); END",
     ]
 
 
@@ -540,8 +550,8 @@ class IdempotencyKey(Base):
 def _job_change_triggers(_target, connection, **_kw) -> None:  # noqa: ANN001
     """create_all (tests, tools) gets what migration 0015 creates: the counter's row and, on
     SQLite, the triggers that maintain ``Job.change_seq``; and what migration 0016 creates: the
-    node list's revision row and the triggers that raise it; and what migration 0018 creates:
-    the triggers that keep queued_counts."""
+    node list's revision row and the triggers that raise it; and what migrations 0018 and 0019
+    create: the triggers that keep queued_counts."""
     connection.exec_driver_sql(NODE_LIST_REVISION_ROW)
     for ddl in node_list_revision_ddl(connection.dialect.name) + queued_count_ddl(connection.dialect.name):
         connection.exec_driver_sql(ddl)
