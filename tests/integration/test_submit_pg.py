@@ -151,20 +151,32 @@ def test_concurrent_submissions_with_one_key_make_one_job(make_api):
 
 
 @pytest.mark.parametrize("make_api", ["postgresql"], indirect=True)  # SQLite keeps its statements
-def test_on_postgresql_a_submission_is_one_statement_in_autocommit(make_api):
-    """With the credential cached: no BEGIN, one statement, no COMMIT of its own (one round trip)."""
+def test_on_postgresql_a_submission_is_one_statement_in_autocommit(make_api, monkeypatch):
+    """With the credential cached: no BEGIN, one statement, no COMMIT of its own (one round
+    trip). Seen at the driver (psycopg's cursor and connection), where the statement runs: it
+    skips SQLAlchemy's execution (hai.db.direct)."""
+    import psycopg
+
     api = make_api()
     assert api.platform.engine.dialect.name == "postgresql"
     api.register_node("n0")
     assert _post(api, BODY).status_code == 201  # the credential is now cached
     seen: list[tuple[str, bool]] = []
+    execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
 
-    @event.listens_for(api.platform.engine, "before_cursor_execute")
-    def _seen(conn, _cursor, statement, _params, _context, _many):  # noqa: ANN001
-        seen.append((statement.split()[0], conn.connection.dbapi_connection.autocommit))
+    def _execute(cursor, query, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((str(query).split()[0], cursor.connection.autocommit))
+        return execute(cursor, query, *args, **kwargs)
 
+    def _commit(conn):  # noqa: ANN001, ANN202
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # else psycopg sends nothing
+            seen.append(("COMMIT", conn.autocommit))
+        return commit(conn)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", _execute)
+    monkeypatch.setattr(psycopg.Connection, "commit", _commit)
     r = _post(api, BODY, key="k")
-    event.remove(api.platform.engine, "before_cursor_execute", _seen)
+    monkeypatch.undo()
     assert r.status_code == 201, r.text
     assert seen == [("WITH", True)]
     assert _counts(api) == (2, 2, 1)

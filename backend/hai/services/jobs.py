@@ -12,6 +12,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
+from hai.db.direct import DirectStatement
 from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, Node
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
@@ -261,7 +262,8 @@ def submit_admitted(
     request hash) a key this user sent before gives KeySeen (nothing written; whatever the checks
     would say now). Refused with nothing written: Invalid (-> 422) when no placement could ever
     fit the job, TooMany (-> 429) when the user has ``limit`` queued jobs already (0: no limit).
-    PostgreSQL: one statement, one round trip (``_one_statement``); SQLite: the key's look-up,
+    PostgreSQL: one statement, one round trip (``_one_statement``, run on the driver's cursor:
+    hai.db.direct); SQLite: the key's look-up,
     ``admission_counts``, ``submit_job``. A key committed by a concurrent request in between
     raises IntegrityError (the caller rolls back and looks the key up).
 
@@ -290,7 +292,7 @@ def submit_admitted(
     params.update(multi_node=spec.nodes > 1, limit=limit)
     if idempotency is not None:
         params["key"], params["request_hash"] = idempotency
-    row = conn.execute(_ONE_STATEMENT[idempotency is not None], params).one()
+    row = _DIRECT[idempotency is not None].one(conn, params)
     if row.id is None:  # nothing was written
         if commit:
             session.rollback()
@@ -335,6 +337,9 @@ def submit_job(
 
 
 _ONE_STATEMENT = {False: _one_statement(False), True: _one_statement(True)}
+# run on the driver's cursor (hai.db.direct: SQLAlchemy's per-execute work was as much as
+# psycopg's own), the job's columns converted as their types convert them
+_DIRECT = {k: DirectStatement(stmt, {c.name: c.type for c in _jobs.c}) for k, stmt in _ONE_STATEMENT.items()}
 SEEN_KEY = select(_keys.c.job_id, _keys.c.request_hash).where(
     _keys.c.user_id == bindparam("user_id"), _keys.c.key == bindparam("key"))
 
