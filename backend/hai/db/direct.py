@@ -31,7 +31,9 @@ class DirectStatement:
         self.statement = statement
         self.types = types
         self._compiled: dict[Any, tuple[Any, str, dict]] = {}
-        self._rows: dict[tuple, tuple[type, list[tuple[int, Any]]]] = {}
+        # by dialect: the row's type and result processors, from the first execution's description
+        # (psycopg builds the description's objects anew on every access: ~5% of a submission)
+        self._rows: dict[Any, tuple[type, list[tuple[int, Any]]]] = {}
 
     def _for(self, dialect) -> tuple[Any, str, dict]:  # noqa: ANN001
         entry = self._compiled.get(dialect)
@@ -42,10 +44,10 @@ class DirectStatement:
             self._compiled[dialect] = entry
         return entry
 
-    def _row_type(self, dialect, description) -> tuple[type, list[tuple[int, Any]]]:  # noqa: ANN001
-        names = tuple(d.name for d in description)
-        entry = self._rows.get(names)
+    def _row_type(self, dialect, cursor) -> tuple[type, list[tuple[int, Any]]]:  # noqa: ANN001
+        entry = self._rows.get(dialect)
         if entry is None:
+            names = tuple(d.name for d in cursor.description)
             processors = []
             for i, name in enumerate(names):
                 t = self.types.get(name)
@@ -53,7 +55,7 @@ class DirectStatement:
                 if p is not None:
                     processors.append((i, p))
             entry = (collections.namedtuple("DirectRow", names), processors)
-            self._rows[names] = entry
+            self._rows[dialect] = entry
         return entry
 
     def one(self, conn: Connection, params: dict) -> Any:  # noqa: ANN401 - a named tuple of the statement's columns
@@ -66,14 +68,13 @@ class DirectStatement:
         try:
             cursor.execute(sql, values)
             raw = cursor.fetchone()
-            description = cursor.description
+            row_type, result_processors = self._row_type(conn.dialect, cursor)
         except Exception as exc:  # noqa: BLE001 - translated (and the pool invalidated on a disconnect) as SQLAlchemy does
             conn._handle_dbapi_exception(exc, sql, values, cursor, None)
         finally:
             cursor.close()
         if raw is None:
             raise LookupError("the statement returned no row")
-        row_type, result_processors = self._row_type(conn.dialect, description)
         if result_processors:
             raw = list(raw)
             for i, process in result_processors:
