@@ -59,7 +59,8 @@ def fold(session: Session) -> None:
 
 class Folding:
     """When to fold: after ``every`` rows have been appended since the last fold (the highest
-    id tells, one index probe), and once when the scheduler starts."""
+    id tells, one index probe), and once when the scheduler starts; on PostgreSQL each fold is
+    followed by a ``vacuum``."""
 
     def __init__(self, every: int = 256) -> None:
         self.every = every
@@ -76,4 +77,19 @@ class Folding:
             fold(session)
             self.mark = session.scalar(select(func.max(_counts.c.id))) or top
             session.rollback()  # ends the read (SQLite: releases the database for writers)
+            bind = session.get_bind()
+        if bind.dialect.name == "postgresql":
+            vacuum(bind)
         return True
+
+
+def vacuum(engine) -> None:  # noqa: ANN001
+    """PostgreSQL: VACUUM queued_counts, on a connection of its own in autocommit (a VACUUM runs
+    in no transaction). Every fold deletes the rows it sums: until a vacuum, their index entries
+    stay, and a submission's sum of its user's rows (a bitmap scan, which never marks an entry
+    dead) walks them all: 8,081 entries for 3 live rows, 0.22 ms of a 0.63 ms submission, after
+    8,000 submissions (EXPLAIN ANALYZE; autovacuum comes at most once a minute, and a minute at
+    800 submissions a second leaves ~50,000). A vacuum of the few pages takes ~1 ms, after every
+    fold (every 256 changes)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM queued_counts")
