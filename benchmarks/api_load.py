@@ -322,11 +322,14 @@ def seed_nodes(settings: Settings, n: int) -> list[str]:
 
 
 # -- the two layouts ---------------------------------------------------------------------------
+PROFILE_RATE = 50  # samples a second (--profile-rate)
+
+
 def profile_pids(pids: list[int], out: Path, procs: Procs, name: str) -> list[subprocess.Popen]:
     """py-spy record each pid until stop_profiles (SIGINT: py-spy writes its file then); ``--gil``:
     only samples holding the interpreter, i.e. where the CPU goes, not where threads wait."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    return [procs.start([spy, "record", "--pid", str(pid), "--rate", "50", "--gil", "--format", "speedscope",
+    return [procs.start([spy, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE), "--gil", "--format", "speedscope",
                          "-o", str(out / f"{name}-{pid}.speedscope.json"), "--nonblocking"],
                         log=out / f"{name}-{pid}.log") for pid in pids]
 
@@ -758,9 +761,11 @@ def main() -> None:
         "reads: changes of the node list per second while reading (and every node's heartbeat figures "
         "written every second); 0: a still cluster"))
     ap.add_argument("--profile", type=Path, help="py-spy record the server workers and the scheduler into DIR")
+    ap.add_argument("--profile-rate", type=int, default=PROFILE_RATE, help="py-spy's samples a second")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "api_load.json")
     args = ap.parse_args()
     if args.profile:
+        globals()["PROFILE_RATE"] = args.profile_rate
         args.profile.mkdir(parents=True, exist_ok=True)
     results: dict = {"cores": CORES, "load_before": loadavg(), "jobs_per_case": args.jobs,
                      "note": "shared VM: 2 cores, 8 engineers; load average next to every figure"}
