@@ -112,11 +112,18 @@ class AuthFailures:
 
 
 def _mask(value: object) -> object:
-    return TOKEN_PATTERN.sub(r"\1***", value) if isinstance(value, str) else value
+    # every token starts "hai": a string without it has nothing to mask (the regex's scan skipped)
+    return TOKEN_PATTERN.sub(r"\1***", value) if isinstance(value, str) and "hai" in value else value
 
 
 class RedactTokens(logging.Filter):
+    """Installed on loggers and on their handlers, so a record can meet it twice (at its logger,
+    then at a handler): the second time finds it masked already and passes it on."""
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "_hai_redacted", False):
+            return True
+        record._hai_redacted = True
         if isinstance(record.msg, str):
             record.msg = _mask(record.msg)
         if isinstance(record.args, tuple):
