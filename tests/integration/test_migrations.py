@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 TABLES = {"users", "api_tokens", "nodes", "jobs", "job_events", "job_allocations", "log_lines", "quotas", "user_usage", "alembic_version",
           "node_events", "validation_runs", "validation_checks",
           "gpu_samples", "metric_rollups", "gpu_status", "idempotency_keys",
-          "gpu_holds", "scheduler_leases", "job_change_counter", "node_list_revision", "queued_counts"}
+          "gpu_holds", "scheduler_leases", "job_change_counter", "node_list_revision", "queued_counts", "node_sizes"}
 
 
 def _diff(url: str) -> list:
@@ -159,10 +159,11 @@ def test_sqlite_job_rows_get_a_rising_change_marker_whoever_writes_them(tmp_path
     with engine.connect() as c:
         triggers = {r[0] for r in c.execute(text("SELECT name FROM sqlite_master WHERE type = 'trigger'"))}
     engine.dispose()
-    assert triggers == {"jobs_change_seq_insert", "jobs_change_seq_update"} | NODE_LIST_SQLITE_TRIGGERS | QUEUED_TRIGGERS
+    assert triggers == {"jobs_change_seq_insert", "jobs_change_seq_update"} | NODE_LIST_SQLITE_TRIGGERS | QUEUED_TRIGGERS | NODE_SIZE_TRIGGERS
 
 
 QUEUED_TRIGGERS = {f"jobs_queued_{e}" for e in ("insert", "update", "delete")}
+NODE_SIZE_TRIGGERS = {f"nodes_size_{e}" for e in ("insert", "update", "delete")}
 NODE_LIST_SQLITE_TRIGGERS = {f"{t}_list_{e}" for t in ("nodes", "job_allocations") for e in ("insert", "delete", "update")}
 
 

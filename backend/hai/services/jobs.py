@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.direct import DirectStatement
-from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, Node
+from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, NodeSize
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
@@ -108,7 +108,7 @@ def _check_fit(session: Session, spec: JobCreate, count: int, largest: int, whol
     if spec.gpus_per_node > largest:
         raise Invalid("gpus_per_node", f"the largest node has {largest} GPUs; the job asks for {spec.gpus_per_node}")
     if spec.nodes > 1 and whole < spec.nodes:
-        sizes = ", ".join(sorted(str(g) for g in session.scalars(select(Node.gpus).distinct())))
+        sizes = ", ".join(sorted(str(g) for g in session.scalars(select(NodeSize.gpus).where(NodeSize.nodes > 0))))
         raise Invalid(
             "gpus_per_node",
             f"a job of more than one node takes whole nodes: the cluster has {whole} node(s) of "
@@ -116,7 +116,19 @@ def _check_fit(session: Session, spec: JobCreate, count: int, largest: int, whol
         )
 
 
-_nodes, _jobs = Node.__table__, Job.__table__
+_jobs, _sizes = Job.__table__, NodeSize.__table__
+
+
+def _cluster_fit():  # noqa: ANN202
+    """The cluster-fit figures (nodes, the largest node, nodes of exactly the job's GPUs) from
+    node_sizes, a row per GPU count kept by the database's triggers on ``nodes`` (issue 12: an
+    aggregate of every node's row: at 1,250 nodes 0.15 ms of PostgreSQL's execution in every
+    submission, 0.7 ms of SQLite's)."""
+    return (
+        func.coalesce(func.sum(_sizes.c.nodes), 0),
+        func.coalesce(func.max(case((_sizes.c.nodes > 0, _sizes.c.gpus))), 0),
+        func.coalesce(func.sum(case((_sizes.c.gpus == bindparam("gpus_per_node"), _sizes.c.nodes), else_=0)), 0),
+    )
 
 
 def _admission(count_queued: bool):  # noqa: ANN202
@@ -124,11 +136,7 @@ def _admission(count_queued: bool):  # noqa: ANN202
     when ``count_queued``, the user's queued jobs (the sum of their queued_counts rows, kept by
     the database's triggers: a few rows, not a count of the queue). Built once with bind
     parameters: the compiled statement and its cache key are reused (issue 12)."""
-    columns = [
-        func.count(_nodes.c.id),
-        func.coalesce(func.max(_nodes.c.gpus), 0),
-        func.coalesce(func.sum(case((_nodes.c.gpus == bindparam("gpus_per_node"), 1), else_=0)), 0),
-    ]
+    columns = list(_cluster_fit())
     if count_queued:
         columns.append(queued_counts.queued_of())
     return select(*columns)
@@ -206,12 +214,9 @@ def _one_statement(with_key: bool):  # noqa: ANN202
     and the caller says why from the figures, or answers with the key's job). One statement is
     one transaction: it runs in autocommit, one round trip instead of five or six (BEGIN, the
     key, admission, job, event, COMMIT), and nothing half-written."""
-    adm = select(
-        func.count(_nodes.c.id).label("n_nodes"),
-        func.coalesce(func.max(_nodes.c.gpus), 0).label("largest"),
-        func.coalesce(func.sum(case((_nodes.c.gpus == bindparam("gpus_per_node"), 1), else_=0)), 0).label("whole"),
-        queued_counts.queued_of().label("queued"),
-    )
+    n_nodes, largest, whole = _cluster_fit()
+    adm = select(n_nodes.label("n_nodes"), largest.label("largest"), whole.label("whole"),
+                 queued_counts.queued_of().label("queued"))
     figures = [c.name for c in adm.selected_columns]
     if with_key:
         seen = (select(_keys.c.job_id, _keys.c.request_hash)

@@ -471,6 +471,62 @@ END $$""",
     ]
 
 
+class NodeSize(Base):
+    """How many nodes have each GPU count, kept by the database (issue 12): triggers on ``nodes``
+    add one to the row of a node's GPU count when it is inserted, take one away when it is
+    deleted, and move it when its ``gpus`` changes, whoever writes (a registration, the
+    Kubernetes sync, raw SQL). A submission's admission check (the cluster has enough nodes, a
+    node large enough, enough whole nodes of the job's size) reads these few rows instead of
+    aggregating every node: at 1,250 nodes that aggregate was a scan of all of them, heartbeat
+    figures included, in every submission (PostgreSQL: the submission's statement 0.34 -> 0.19 ms,
+    pg_stat_statements; SQLite: a submission 1.16 -> 0.48 ms). Rows are updated in place: they
+    change only when nodes come, go or change size, never on a heartbeat. A row may hold 0."""
+
+    __tablename__ = "node_sizes"
+
+    gpus: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    nodes: Mapped[int] = mapped_column(Integer, default=0)
+
+
+def node_size_ddl(dialect: str) -> list[str]:
+    """The triggers that keep node_sizes (created by migration 0020 and, for create_all, by the
+    listener below). The update trigger fires only when ``gpus`` changes. A batch migration that
+    copies the nodes table on SQLite drops them: re-create them after it."""
+    if dialect == "postgresql":
+        return [
+            """CREATE OR REPLACE FUNCTION hai_node_size() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF TG_OP <> 'INSERT' THEN
+    UPDATE node_sizes SET nodes = nodes - 1 WHERE gpus = OLD.gpus;
+  END IF;
+  IF TG_OP <> 'DELETE' THEN
+    INSERT INTO node_sizes (gpus, nodes) VALUES (NEW.gpus, 1)
+      ON CONFLICT (gpus) DO UPDATE SET nodes = node_sizes.nodes + 1;
+  END IF;
+  RETURN NULL;
+END $$""",
+            "DROP TRIGGER IF EXISTS nodes_size_insert ON nodes",
+            "DROP TRIGGER IF EXISTS nodes_size_update ON nodes",
+            "DROP TRIGGER IF EXISTS nodes_size_delete ON nodes",
+            "CREATE TRIGGER nodes_size_insert AFTER INSERT ON nodes FOR EACH ROW EXECUTE FUNCTION hai_node_size()",
+            "CREATE TRIGGER nodes_size_update AFTER UPDATE OF gpus ON nodes FOR EACH ROW "
+            "WHEN (OLD.gpus IS DISTINCT FROM NEW.gpus) EXECUTE FUNCTION hai_node_size()",
+            "CREATE TRIGGER nodes_size_delete AFTER DELETE ON nodes FOR EACH ROW EXECUTE FUNCTION hai_node_size()",
+        ]
+    add = ("INSERT OR IGNORE INTO node_sizes (gpus, nodes) VALUES (NEW.gpus, 0); "
+           "UPDATE node_sizes SET nodes = nodes + 1 WHERE gpus = NEW.gpus;")
+    remove = "UPDATE node_sizes SET nodes = nodes - 1 WHERE gpus = OLD.gpus;"
+    return [
+        "DROP TRIGGER IF EXISTS nodes_size_insert",
+        "DROP TRIGGER IF EXISTS nodes_size_update",
+        "DROP TRIGGER IF EXISTS nodes_size_delete",
+        f"CREATE TRIGGER nodes_size_insert AFTER INSERT ON nodes BEGIN {add} END",
+        f"CREATE TRIGGER nodes_size_update AFTER UPDATE OF gpus ON nodes WHEN OLD.gpus IS NOT NEW.gpus "
+        f"BEGIN {remove} {add} END",
+        f"CREATE TRIGGER nodes_size_delete AFTER DELETE ON nodes BEGIN {remove} END",
+    ]
+
+
 class SchedulerLease(Base):
     """Leadership of the scheduler, fenced (services/leader.py): each new leader bumps ``epoch``;
     every transaction that writes scheduling decisions locks this row and checks that its epoch
@@ -526,7 +582,7 @@ from hai.db.models.metrics import GpuSample, GpuStatus, MetricRollup  # noqa: E4
 
 __all__ = [
     "ApiToken", "Base", "GpuHold", "GpuSample", "GpuStatus", "Job", "JobAllocation", "JobEvent", "LogLine", "MetricRollup", "Node",
-    "NodeEvent", "NodeListRevision", "QueuedCount", "Quota", "SchedulerLease", "User", "UserUsage", "ValidationCheck", "ValidationRun",
+    "NodeEvent", "NodeListRevision", "NodeSize", "QueuedCount", "Quota", "SchedulerLease", "User", "UserUsage", "ValidationCheck", "ValidationRun",
 ]
 
 
@@ -551,9 +607,10 @@ def _job_change_triggers(_target, connection, **_kw) -> None:  # noqa: ANN001
     """create_all (tests, tools) gets what migration 0015 creates: the counter's row and, on
     SQLite, the triggers that maintain ``Job.change_seq``; and what migration 0016 creates: the
     node list's revision row and the triggers that raise it; and what migrations 0018 and 0019
-    create: the triggers that keep queued_counts."""
+    create: the triggers that keep queued_counts; and migration 0020's: those that keep node_sizes."""
     connection.exec_driver_sql(NODE_LIST_REVISION_ROW)
-    for ddl in node_list_revision_ddl(connection.dialect.name) + queued_count_ddl(connection.dialect.name):
+    for ddl in (node_list_revision_ddl(connection.dialect.name) + queued_count_ddl(connection.dialect.name)
+                + node_size_ddl(connection.dialect.name)):
         connection.exec_driver_sql(ddl)
     if connection.dialect.name != "sqlite":
         return
