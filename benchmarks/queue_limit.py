@@ -1,8 +1,9 @@
 """What the queued-jobs limit costs a submission as the submitter's own queue grows (issue 12).
 
-    python benchmarks/queue_limit.py [--depths 0 1000 10000 50000] [--jobs 300] [--only postgresql sqlite]
+    python benchmarks/queue_limit.py [--depths 0 1000 10000 50000] [--jobs 300] [--only postgresql sqlite] [--nodes 2]
 
-For each depth: a fresh database (migrated), two nodes as rows, the submitting user given that
+For each depth: a fresh database (migrated), ``--nodes`` 8-GPU nodes as rows (2; 1,250 for
+Fire-Flyer's count, which the admission check's figures cover), the submitting user given that
 many queued jobs of their own, then ``--jobs`` submissions through the service the API calls
 (``jobs.submit_admitted`` with the limit on, at 1,000,000 so none is refused), one after another
 in this process. Reports the wall time per submission (median of blocks of 50) and, on
@@ -43,19 +44,19 @@ LIMIT = 1_000_000
 SPEC = JobCreate.model_validate({"name": "bench", "command": ["sleep", "3600"], "gpus_per_node": 1})
 
 
-def seed(url: str, depth: int, work: Path) -> Principal:
-    """Two 8-GPU nodes, the users, and ``depth`` queued jobs of the submitting user's own (with
+def seed(url: str, depth: int, work: Path, nodes: int = 2) -> Principal:
+    """``nodes`` 8-GPU nodes, the users, and ``depth`` queued jobs of the submitting user's own (with
     api_load's seeding)."""
     settings = Settings(data_dir=work, db={"url": url})
     _token, _agent, users = seed_users(settings)  # migrates the database
-    seed_nodes(settings, 2)
+    seed_nodes(settings, nodes)
     seed_jobs(url, users[:1], depth)
     uid, name = users[0]
     return Principal(kind="user", name=name, user_id=uid, group="bench", is_admin=False)
 
 
-def case(url: str, depth: int, n: int, work: Path) -> dict:
-    user = seed(url, depth, work)
+def case(url: str, depth: int, n: int, work: Path, nodes: int = 2) -> dict:
+    user = seed(url, depth, work, nodes)
     platform = Platform.from_settings(Settings(data_dir=work, db={"url": url}))
     folding = queued_counts.Folding() if queued_counts else None
     scheduler = Platform.from_settings(Settings(data_dir=work, db={"url": url}))  # its own pool, as its process
@@ -81,7 +82,7 @@ def case(url: str, depth: int, n: int, work: Path) -> dict:
             if i % block == block - 1:
                 blocks.append((time.perf_counter() - b0) * 1000 / block)
         wall = time.perf_counter() - t0
-        out = {"own_queued": depth, "jobs": n, "ms_per_submission": round(wall * 1000 / n, 3),
+        out = {"own_queued": depth, "nodes": nodes, "jobs": n, "ms_per_submission": round(wall * 1000 / n, 3),
                "ms_per_submission_blocks_median": round(statistics.median(blocks), 3), "load": loadavg()}
         if pg:
             out["postgresql_cpu_ms_per_submission"] = round((cpu_s(pg) - c0) * 1000 / n, 3)
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[0, 1000, 10_000, 50_000])
     ap.add_argument("--jobs", type=int, default=300)
     ap.add_argument("--only", nargs="+", default=["postgresql", "sqlite"])
+    ap.add_argument("--nodes", type=int, default=2, help="8-GPU nodes in the table")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: dict = {"kept_counts": queued_counts is not None, "cases": []}
@@ -112,10 +114,10 @@ def main() -> None:
                     reset_postgres(url)
                 else:
                     url = f"sqlite:///{Path(tmp) / 'hai.db'}"
-                r = case(url, depth, args.jobs, Path(tmp))
+                r = case(url, depth, args.jobs, Path(tmp), args.nodes)
             r["database"] = kind
             results["cases"].append(r)
-            print(f"  {kind:10s} own queued {depth:6d}: {r['ms_per_submission']:7.3f} ms a submission "
+            print(f"  {kind:10s} nodes {args.nodes:5d} own queued {depth:6d}: {r['ms_per_submission']:7.3f} ms a submission "
                   f"(blocks median {r['ms_per_submission_blocks_median']:.3f})"
                   + (f", PostgreSQL CPU {r['postgresql_cpu_ms_per_submission']:.3f} ms" if kind == "postgresql" else "")
                   + f"  load {r['load']}", flush=True)
