@@ -105,6 +105,33 @@ def api(platform: Platform):
         yield Api(client, platform)
 
 
+@contextmanager
+def api_with_two_nodes(url: str, tmp_path: Path, *, create_all: bool = False, **settings) -> Iterator[Api]:  # noqa: ANN003
+    """An Api (users alice and bob, two 8-GPU nodes registered by their agents) on the database
+    at ``url``, its schema built by the migrations or, with ``create_all``, as the ``platform``
+    fixture builds it (the models' own copy of any trigger DDL); ``settings``: more of Settings."""
+    from sqlalchemy import create_engine
+
+    from hai.db.migrate import upgrade
+
+    if create_all:
+        engine = create_engine(url)
+        Base.metadata.create_all(engine)
+        engine.dispose()
+    else:
+        upgrade(url)
+    platform = Platform.from_settings(Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none",
+                                               db={"url": url}, **settings))
+    try:
+        with TestClient(create_app(platform)) as client:
+            a = Api(client, platform)
+            a.register_node("n0")
+            a.register_node("n1")
+            yield a
+    finally:
+        platform.close()
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     for item in items:
         path = str(item.fspath)

@@ -8,15 +8,10 @@ SQLite and PostgreSQL, schemas from the migrations and from ``create_all``."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
 from hai.db.migrate import downgrade, upgrade
-from hai.db.models import Base
-from hai.main import create_app
-from hai.services.context import Platform
-from hai.settings import Settings
-from tests.conftest import Api
+from tests.conftest import Api, api_with_two_nodes
 
 _NODE = ("INSERT INTO nodes (name, zone, leaf, gpus, state, address, fake_gpus, gpu_inventory, gpu_metrics, nics,"
          " agent_version, protocol_version, registered_at, state_reason, labels_from_topology, heartbeats_since_quick)"
@@ -30,21 +25,8 @@ def _url(request, tmp_path) -> str:  # noqa: ANN001
 @pytest.fixture(params=["sqlite", "postgresql", "sqlite-create_all", "postgresql-create_all"])
 def api(request, tmp_path):
     """An Api with two 8-GPU nodes registered by their agents."""
-    url = _url(request, tmp_path)
-    if request.param.endswith("create_all"):
-        engine = create_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-    else:
-        upgrade(url)
-    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", db={"url": url})
-    platform = Platform.from_settings(s)
-    with TestClient(create_app(platform)) as client:
-        a = Api(client, platform)
-        a.register_node("n0")
-        a.register_node("n1")
+    with api_with_two_nodes(_url(request, tmp_path), tmp_path, create_all=request.param.endswith("create_all")) as a:
         yield a
-    platform.close()
 
 
 def _raw(api: Api, sql: str, **params) -> None:

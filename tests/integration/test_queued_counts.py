@@ -13,22 +13,18 @@ import threading
 from datetime import timedelta
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, delete, func, select, text, update
 
 from hai.db.base import utcnow
 from hai.db.migrate import downgrade, upgrade
-from hai.db.models import Base, Job, QueuedCount
+from hai.db.models import Job, QueuedCount
 from hai.domain.jobs import JobState
-from hai.main import create_app
 from hai.services import queued_counts
-from hai.services.context import Platform
 from hai.services.jobs import requeue_as_restart, transition
 from hai.services.leader import leadership
 from hai.services.runner import SchedulerLoop
 from hai.services.scheduling import _queued_and_demotable
-from hai.settings import Settings
-from tests.conftest import Api
+from tests.conftest import Api, api_with_two_nodes
 
 
 def _url(request, tmp_path) -> str:  # noqa: ANN001
@@ -40,22 +36,9 @@ def api(request, tmp_path):
     """An Api (users alice and bob, two 8-GPU nodes), queued-jobs limit 4, on a database built by
     the migrations, or by ``create_all`` as the other tests build theirs (its own copy of the
     triggers' DDL)."""
-    url = _url(request, tmp_path)
-    if request.param.endswith("create_all"):
-        engine = create_engine(url)
-        Base.metadata.create_all(engine)
-        engine.dispose()
-    else:
-        upgrade(url)
-    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", db={"url": url},
-                 limits={"max_queued_jobs_per_user": 4})
-    platform = Platform.from_settings(s)
-    with TestClient(create_app(platform)) as client:
-        a = Api(client, platform)
-        a.register_node("n0")
-        a.register_node("n1")
+    with api_with_two_nodes(_url(request, tmp_path), tmp_path, create_all=request.param.endswith("create_all"),
+                            limits={"max_queued_jobs_per_user": 4}) as a:
         yield a
-    platform.close()
 
 
 def _kept(session) -> dict[int, tuple[int, int]]:  # noqa: ANN001

@@ -11,22 +11,18 @@ import threading
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import delete, event, func, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from hai.agent.testing import wait_for
 from hai.api.jobs import EarlySubmissions
-from hai.db.migrate import upgrade
 from hai.db.models import IdempotencyKey, Job, JobEvent
-from hai.main import create_app
 from hai.schemas.jobs import JobCreate
 from hai.services import auth, submissions
 from hai.services import jobs as job_service
-from hai.services.context import Platform
 from hai.services.errors import Invalid, TooMany
-from hai.settings import LimitsSettings, Settings
-from tests.conftest import Api, uvicorn_thread
+from hai.settings import LimitsSettings
+from tests.conftest import Api, api_with_two_nodes, uvicorn_thread
 
 LIMITS = LimitsSettings(max_queued_jobs_per_user=3)
 
@@ -35,15 +31,8 @@ LIMITS = LimitsSettings(max_queued_jobs_per_user=3)
 def api(request, tmp_path):
     """An Api (users alice and bob, two 8-GPU nodes) on a migrated database, SQLite and PostgreSQL."""
     url = f"sqlite:///{tmp_path / 'hai.db'}" if request.param == "sqlite" else request.getfixturevalue("pg_url")
-    upgrade(url)
-    s = Settings(data_dir=tmp_path / "hai", frontend_dist=tmp_path / "none", db={"url": url})
-    platform = Platform.from_settings(s)
-    with TestClient(create_app(platform)) as client:
-        a = Api(client, platform)
-        a.register_node("n0")
-        a.register_node("n1")
+    with api_with_two_nodes(url, tmp_path) as a:
         yield a
-    platform.close()
 
 
 def _user(api: Api, token: str) -> auth.Principal:
