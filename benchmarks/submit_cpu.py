@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--idempotency", action="store_true", help="send an Idempotency-Key with each submission")
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--profile-rate", type=int, default=200, help="py-spy's samples a second")
     ap.add_argument("--callgrind", type=Path, help="run the server under valgrind's callgrind and print the "
                     "instructions it executed per submission (after the warm-up): a figure other load does not sway")
     ap.add_argument("--blocks", type=int, default=5, help="also the CPU per job of this many blocks of jobs")
@@ -112,7 +113,7 @@ def main() -> None:
                 spy = None
                 if args.profile:
                     spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(server.pid),
-                                            "--rate", "200", "--gil", "--format", "speedscope", "-o", str(args.profile), "--nonblocking"],
+                                            "--rate", str(args.profile_rate), "--gil", "--format", "speedscope", "-o", str(args.profile), "--nonblocking"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(1)
                 if args.callgrind:
