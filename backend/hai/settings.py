@@ -22,6 +22,12 @@ class DatabaseSettings(BaseModel):
     # empty: SQLite under data_dir (embedded default)
     url: str = ""
     echo: bool = False
+    submit_on_loop: bool = Field(default=True, description=(
+        "PostgreSQL: single submissions answered before routing (a cached credential, the usual case; "
+        "hai.api.jobs.SubmissionGroups) are written on the API process's event loop through psycopg's "
+        "asyncio connections (a pool of its own, up to 6 connections a process) instead of in a worker "
+        "thread (issue 12: the thread hop was a fifth of a submission's server CPU); off: in a worker "
+        "thread. No effect on SQLite"))
 
 
 class RedisSettings(BaseModel):
@@ -174,6 +180,12 @@ class HttpSettings(BaseModel):
         "a log line per request (uvicorn's access log, through the token redaction filter); off, the "
         "server logs only its own events and errors (about 6% of a submission's server CPU, issue 12: "
         "benchmarks/README.md), for deployments that log requests at their proxy or load balancer"))
+    opentelemetry: bool = Field(default=False, description=(
+        "FastAPI's native OpenTelemetry: a span, metrics and error logs per request, exported by the "
+        "OpenTelemetry SDK providers configured in the process (for example by `opentelemetry-instrument "
+        "hai server`). Off by default: the platform's own figures are Prometheus metrics (`/metrics`), and "
+        "FastAPI looks the global providers up on every request even when none is configured (issue 12: "
+        "about 5% of a submission's server CPU)"))
     gc_threshold: int = Field(default=50_000, ge=0, description=(
         "the cyclic garbage collector's first threshold in `hai server` and `hai dev` processes, whose "
         "objects at startup are also frozen out of later collections (gc.freeze); 0 keeps Python's "

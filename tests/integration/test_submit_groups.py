@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 
 import httpx
 import pytest
 from sqlalchemy import delete, event, func, select
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from hai.agent.testing import wait_for
 from hai.api.jobs import EarlySubmissions
 from hai.db.models import IdempotencyKey, Job, JobEvent
 from hai.schemas.jobs import JobCreate
@@ -79,6 +77,15 @@ def _stored(api: Api) -> list[tuple]:
         jobs = [(j.name, j.user_name, j.state, len(j.events)) for j in s.scalars(select(Job).order_by(Job.id))]
         keys = sorted((k.user_id, k.key, s.get(Job, k.job_id).name) for k in s.scalars(select(IdempotencyKey)))
         return jobs + keys
+
+
+async def _until(predicate, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Wait on the event loop (which goes on serving meanwhile) until ``predicate()`` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.005)
 
 
 def _clear(api: Api) -> None:
@@ -175,18 +182,20 @@ def _early(app) -> EarlySubmissions:  # noqa: ANN001
 def test_concurrent_requests_are_written_as_groups_and_each_gets_its_own_answer(api, monkeypatch):
     """16 requests in flight: the first group is held until the 15 others wait (no timing left to
     chance); they are then one group, each answered with its own job (or refusal)."""
+    from hai.api.jobs import SubmissionGroups
+
     app = api.client.app
     early = _early(app)
-    real = submissions.submit_group
-    first = threading.Event()
+    real = SubmissionGroups._written
+    first = asyncio.Event()
 
-    def held_first(**kw):  # noqa: ANN003, ANN202
+    async def held_first(platform, items):  # noqa: ANN001, ANN202 - held on the loop, which goes on serving
         if not first.is_set():
             first.set()
-            wait_for(lambda: len(early.grouped._waiting) == 15, timeout=30, what="15 submissions waiting")
-        return real(**kw)
+            await _until(lambda: len(early.grouped._waiting) == 15, "15 submissions waiting")
+        return await real(platform, items)
 
-    monkeypatch.setattr(submissions, "submit_group", held_first)
+    monkeypatch.setattr(SubmissionGroups, "_written", staticmethod(held_first))
     bodies = [{"name": f"j{i}", "command": ["echo", str(i)], "gpus_per_node": 1 + i % 8} for i in range(15)]
     bodies.insert(7, {"name": "too-big", "command": ["true"], "nodes": 3, "gpus_per_node": 8})  # 422 in the group
     with uvicorn_thread(app, log_level="warning") as url:
@@ -236,15 +245,14 @@ def test_a_request_gone_while_its_submission_waits_is_not_written(api, monkeypat
     from hai.api.jobs import SubmissionGroups
 
     groups = SubmissionGroups()
-    real = submissions.submit_group
-    release = threading.Event()
+    real = SubmissionGroups._written
+    release = asyncio.Event()
 
-    def held(**kw):  # noqa: ANN003, ANN202 - the first group is written only once released
-        if not release.is_set():
-            release.wait(30)
-        return real(**kw)
+    async def held(platform, items):  # noqa: ANN001, ANN202 - the first group is written only once released
+        await asyncio.wait_for(release.wait(), 30)
+        return await real(platform, items)
 
-    monkeypatch.setattr(submissions, "submit_group", held)
+    monkeypatch.setattr(SubmissionGroups, "_written", staticmethod(held))
     alice = _user(api, api.alice)
 
     async def scenario() -> list:
@@ -263,3 +271,91 @@ def test_a_request_gone_while_its_submission_waits_is_not_written(api, monkeypat
     assert (groups.groups, groups.largest) == (2, 1)
     with api.platform.sessions() as s:
         assert sorted(s.scalars(select(Job.name))) == ["first", "kept"]
+
+
+def _where_written(monkeypatch) -> list[str]:  # noqa: ANN001
+    """Records, for each group written, whether it ran on an event loop or in a worker thread."""
+    real, where = submissions.submit_group, []
+
+    def recording(**kw):  # noqa: ANN003, ANN202
+        try:
+            asyncio.get_running_loop()
+            where.append("event loop")
+        except RuntimeError:  # no loop running in this thread: a worker thread
+            where.append("worker thread")
+        return real(**kw)
+
+    monkeypatch.setattr(submissions, "submit_group", recording)
+    return where
+
+
+def _submit_early(api: Api, body: dict) -> httpx.Response:
+    api.client.get("/api/v1/jobs", params={"limit": 1}, headers=api.h(api.alice))  # the credential cached
+    early = _early(api.client.app)
+    before = early.answered
+    r = api.client.post("/api/v1/jobs", json=body, headers=api.h(api.alice))
+    assert early.answered == before + 1  # answered by the early path, through its group writer
+    return r
+
+
+def test_on_postgresql_a_group_is_written_on_the_event_loop_elsewhere_in_a_worker_thread(api, monkeypatch):
+    """PostgreSQL (``db.submit_on_loop``, the default): the group writer runs the submission on the
+    event loop through the loop's asyncio connections, no worker thread; the same answer and rows
+    as the thread gives. SQLite, or the setting off: a worker thread."""
+    where = _where_written(monkeypatch)
+    on_pg = api.platform.engine.dialect.name == "postgresql"
+    r = _submit_early(api, {"name": "first", "command": ["true"], "gpus_per_node": 2})
+    assert r.status_code == 201 and r.json()["name"] == "first" and r.json()["gpus_per_node"] == 2
+    assert where == ["event loop" if on_pg else "worker thread"]
+    monkeypatch.setattr(api.platform.settings.db, "submit_on_loop", False)
+    r2 = _submit_early(api, {"name": "second", "command": ["true"], "gpus_per_node": 2})
+    assert r2.status_code == 201 and where[1:] == ["worker thread"]
+    assert set(r.json()) == set(r2.json())  # the same answer whichever way it was written
+    with api.platform.sessions() as s:
+        assert sorted(s.scalars(select(Job.name))) == ["first", "second"]
+        assert s.scalar(select(func.count(JobEvent.id))) == 2
+
+
+def test_a_refusal_and_a_replay_written_on_the_event_loop(api):
+    """The loop's writer answers a refusal (422, 429) and a key's replay as the route does."""
+    r = _submit_early(api, {"name": "big", "command": ["true"], "nodes": 3})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "nodes"
+    h = api.h(api.alice) | {"Idempotency-Key": "key-1"}
+    first = api.client.post("/api/v1/jobs", json={"name": "k", "command": ["true"]}, headers=h)
+    again = api.client.post("/api/v1/jobs", json={"name": "k", "command": ["true"]}, headers=h)
+    assert (first.status_code, again.status_code) == (201, 200) and first.json()["id"] == again.json()["id"]
+    other = api.client.post("/api/v1/jobs", json={"name": "other", "command": ["true"]}, headers=h)
+    assert other.status_code == 422 and "Idempotency-Key" in other.text
+    with api.platform.sessions() as s:
+        assert list(s.scalars(select(Job.name))) == ["k"]
+
+
+def test_a_dead_idle_connection_of_the_loop_is_replaced(pg_url, tmp_path, monkeypatch):
+    """PostgreSQL: the loop's connection killed by the server while idle (a restart, an idle
+    timeout): the next submission pings it on checkout, gets a new one, and is written."""
+    from sqlalchemy import text
+
+    from hai.db import session as db_session
+
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        assert _submit_early(api, {"name": "before", "command": ["true"]}).status_code == 201
+        monkeypatch.setattr(db_session, "PING_AFTER_IDLE_S", 0.0)  # every checkout pings (as after an idle second)
+        with api.platform.engine.connect() as conn:  # every other backend of this database: the loop's included
+            killed = conn.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar_one()
+        assert killed >= 1
+        r = _submit_early(api, {"name": "after", "command": ["true"]})
+        assert r.status_code == 201, r.text
+        with api.platform.sessions() as s:
+            assert sorted(s.scalars(select(Job.name))) == ["after", "before"]
+
+
+def test_the_loops_connections_are_closed_when_the_app_stops(pg_url, tmp_path):
+    """The lifespan's end disposes the loop's engine: its connections are closed, not left to the
+    garbage collector."""
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        assert _submit_early(api, {"name": "one", "command": ["true"]}).status_code == 201
+        (engine, _sessions), = api.platform._loop_engines.values()
+        assert engine.sync_engine.pool.checkedin() == 1  # the writer's connection, back in the pool
+    assert engine.sync_engine.pool.checkedin() == 0
+    assert not api.platform._loop_engines

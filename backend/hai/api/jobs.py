@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import BearerCredentials, CurrentUser, PlatformDep, SessionDep, user_in_thread
 from hai.api.early import EarlyAnswer
+from hai.db.session import on_loop
 from hai.domain.jobs import JobState
 from hai.schemas.jobs import JobBatchCreate, JobBatchRead, JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
@@ -89,12 +90,14 @@ _JOB_READ = TypeAdapter(JobRead)
 
 class SubmissionGroups:
     """Group commit of single submissions (issue 12): the submissions this process receives while
-    one group is being written wait and are written next, together, in one transaction in one
-    worker thread (``submissions.submit_group``: each answered as it would be alone, in arrival
-    order). One request in flight is a group of one; eight in flight share BEGIN, COMMIT, the
-    thread hop and (SQLite) the write lock, where each took them in turn, eight threads handing
-    the interpreter lock and the write lock between them. ``groups`` counts the groups written,
-    ``largest`` the most submissions one held."""
+    one group is being written wait and are written next, together, in one transaction
+    (``submissions.submit_group``: each answered as it would be alone, in arrival order). One
+    request in flight is a group of one; eight in flight share BEGIN, COMMIT, the thread hop and
+    (SQLite) the write lock, where each took them in turn, eight threads handing the interpreter
+    lock and the write lock between them. On PostgreSQL (``db.submit_on_loop``) a group is written
+    on the event loop itself (``hai.db.session.on_loop``, the process's asyncio connections of
+    ``Platform.loop_sessions``), with no worker thread at all; on SQLite in a worker thread.
+    ``groups`` counts the groups written, ``largest`` the most submissions one held."""
 
     most = 64  # submissions a group holds at most (one SQLite write lock held ~0.3 ms each)
 
@@ -116,6 +119,16 @@ class SubmissionGroups:
             self._writer = loop.create_task(self._write(platform))
         return await done
 
+    @staticmethod
+    async def _written(platform: Platform, items: list[submissions.Single]) -> list[submissions.Submitted | Exception]:
+        """One group written: on PostgreSQL on this loop (no worker thread), else in a worker thread."""
+        on_loop_sessions = platform.loop_sessions()
+        if on_loop_sessions is not None:
+            return await on_loop(submissions.submit_group, sessions=on_loop_sessions, items=items,
+                                 limits=platform.settings.limits)
+        return await run_in_threadpool(submissions.submit_group, sessions=platform.sessions, items=items,
+                                       limits=platform.settings.limits)
+
     async def _write(self, platform: Platform) -> None:
         group: list[tuple[submissions.Single, asyncio.Future]] = []
         try:
@@ -129,9 +142,7 @@ class SubmissionGroups:
                 self.groups += 1
                 self.largest = max(self.largest, len(group))
                 try:
-                    outcomes = await run_in_threadpool(
-                        submissions.submit_group, sessions=platform.sessions, items=[item for item, _ in group],
-                        limits=platform.settings.limits)
+                    outcomes = await self._written(platform, [item for item, _ in group])
                 except Exception as exc:  # noqa: BLE001 - the group's failure (nothing written) is each one's answer
                     outcomes = [exc] * len(group)
                 for (_, done), outcome in zip(group, outcomes):

@@ -9,7 +9,9 @@ import weakref
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.util import greenlet_spawn
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +185,26 @@ def read_only(engine: Engine) -> Engine:
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+# -- on the event loop (issue 12) -----------------------------------------------------------------
+def make_loop_engine(url: str, *, echo: bool = False) -> AsyncEngine | None:
+    """PostgreSQL: an engine whose connections are psycopg's asyncio connections, for work run on
+    an event loop by ``on_loop`` (its pool belongs to the loop that first uses it); None for other
+    databases (SQLite's work stays in worker threads). Small: a process's submissions are written
+    by one writer at a time (api/jobs.SubmissionGroups). Idle connections are pinged on checkout as
+    in ``make_engine``."""
+    if not url.startswith("postgresql"):
+        return None
+    engine = create_async_engine(url, echo=echo, pool_size=2, max_overflow=4, pool_use_lifo=True)
+    _ping_idle_connections(engine.sync_engine)
+    return engine
+
+
+async def on_loop(fn, /, *args, **kwargs):  # noqa: ANN001, ANN201, ANN002, ANN003
+    """``fn(*args, **kwargs)``, synchronous code, run on the running event loop rather than in a
+    worker thread: what it does with sessions of a ``make_loop_engine`` engine's ``sync_engine``
+    waits for the database by awaiting, letting the loop serve other requests meanwhile (SQLAlchemy's
+    asyncio bridge: ``AsyncSession.run_sync`` runs its function the same way). Issue 12: a
+    submission's hop to a worker thread and back was 0.16 ms of its 0.81 ms of server CPU."""
+    return await greenlet_spawn(fn, *args, **kwargs)

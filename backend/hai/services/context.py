@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine, event
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session, sessionmaker
 
-from hai.db.session import make_engine, make_session_factory, read_only
+from hai.db.session import make_engine, make_loop_engine, make_session_factory, read_only
 from hai.services.nodes import NodeListCache
 from hai.services.notify import Notifier, make_notifier
 from hai.settings import Settings
@@ -24,9 +27,12 @@ class Platform:
     read_sessions: sessionmaker[Session] | None = None
     # GET /api/v1/nodes as this process last built it, while its revision is current (issue 12)
     node_list: NodeListCache = field(init=False)
+    # PostgreSQL: per event loop, an engine of asyncio connections and sessions on it (loop_sessions)
+    _loop_engines: weakref.WeakKeyDictionary = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.node_list = NodeListCache(self.settings.http.node_list_max_age_s)
+        self._loop_engines = weakref.WeakKeyDictionary()
         if self.read_sessions is None:
             self.read_sessions = (
                 make_session_factory(read_only(self.engine)) if self.engine.dialect.name == "sqlite" else self.sessions
@@ -40,6 +46,30 @@ class Platform:
         sessions = make_session_factory(engine)
         _publish_on_commit(sessions, notifier)
         return cls(settings=settings, engine=engine, sessions=sessions, notifier=notifier)
+
+    def loop_sessions(self) -> sessionmaker[Session] | None:
+        """Sessions for ``hai.db.session.on_loop`` on the running event loop (issue 12: submissions
+        written without a worker thread): PostgreSQL with ``db.submit_on_loop``, else None (the
+        caller uses ``sessions`` in a worker thread). Each loop has its own engine (an asyncio
+        connection serves the loop it was made on), made on first use; ``close_loop`` disposes it."""
+        if not self.settings.db.submit_on_loop or self.engine.dialect.name != "postgresql":
+            return None
+        loop = asyncio.get_running_loop()
+        entry = self._loop_engines.get(loop)
+        if entry is None:
+            engine = make_loop_engine(self.settings.database_url, echo=self.settings.db.echo)
+            assert engine is not None
+            sessions = make_session_factory(engine.sync_engine)
+            _publish_on_commit(sessions, self.notifier)
+            self._loop_engines[loop] = entry = (engine, sessions)
+        return entry[1]
+
+    async def close_loop(self) -> None:
+        """Dispose the running loop's engine of ``loop_sessions`` (its connections closed), if any."""
+        entry = self._loop_engines.pop(asyncio.get_running_loop(), None)
+        if entry is not None:
+            engine: AsyncEngine = entry[0]
+            await engine.dispose()
 
     def close(self) -> None:
         self.notifier.close()
