@@ -151,35 +151,53 @@ def test_concurrent_submissions_with_one_key_make_one_job(make_api):
 
 
 @pytest.mark.parametrize("make_api", ["postgresql"], indirect=True)  # SQLite keeps its statements
-def test_on_postgresql_a_submission_is_one_statement_in_autocommit(make_api, monkeypatch):
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_on_postgresql_a_submission_is_one_statement_in_autocommit(make_api, monkeypatch, on_loop):
     """With the credential cached: no BEGIN, one statement, no COMMIT of its own (one round
-    trip). Seen at the driver (psycopg's cursor and connection), where the statement runs: it
-    skips SQLAlchemy's execution (hai.db.direct)."""
+    trip). Seen at the driver (psycopg's cursor and connection, asyncio ones where the submission
+    is written on the event loop, ``db.submit_on_loop``), where the statement runs: it skips
+    SQLAlchemy's execution (hai.db.direct)."""
     import psycopg
 
     api = make_api()
+    monkeypatch.setattr(api.platform.settings.db, "submit_on_loop", on_loop)
     assert api.platform.engine.dialect.name == "postgresql"
     api.register_node("n0")
     assert _post(api, BODY).status_code == 201  # the credential is now cached
-    seen: list[tuple[str, bool]] = []
+    # the early path's writer: its connection made (a new engine's first connect asks the server a few things)
+    assert _post(api, BODY).status_code == 201
+    seen: list[tuple[str, bool, bool]] = []  # (statement, autocommit, on an asyncio connection)
     execute, commit = psycopg.Cursor.execute, psycopg.Connection.commit
 
     def _execute(cursor, query, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        seen.append((str(query).split()[0], cursor.connection.autocommit))
+        seen.append((str(query).split()[0], cursor.connection.autocommit, False))
         return execute(cursor, query, *args, **kwargs)
 
     def _commit(conn):  # noqa: ANN001, ANN202
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:  # else psycopg sends nothing
-            seen.append(("COMMIT", conn.autocommit))
+            seen.append(("COMMIT", conn.autocommit, False))
         return commit(conn)
+
+    async_execute, async_commit = psycopg.AsyncCursor.execute, psycopg.AsyncConnection.commit
+
+    async def _async_execute(cursor, query, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((str(query).split()[0], cursor.connection.autocommit, True))
+        return await async_execute(cursor, query, *args, **kwargs)
+
+    async def _async_commit(conn):  # noqa: ANN001, ANN202
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            seen.append(("COMMIT", conn.autocommit, True))
+        return await async_commit(conn)
 
     monkeypatch.setattr(psycopg.Cursor, "execute", _execute)
     monkeypatch.setattr(psycopg.Connection, "commit", _commit)
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", _async_execute)
+    monkeypatch.setattr(psycopg.AsyncConnection, "commit", _async_commit)
     r = _post(api, BODY, key="k")
     monkeypatch.undo()
     assert r.status_code == 201, r.text
-    assert seen == [("WITH", True)]
-    assert _counts(api) == (2, 2, 1)
+    assert seen == [("WITH", True, on_loop)]
+    assert _counts(api) == (3, 3, 1)
 
 
 def test_a_token_looked_up_in_the_submission_commits_with_it(make_api):
