@@ -165,7 +165,7 @@ def floor_case(n: int) -> dict:
 
 
 def main() -> None:
-    from api_load import REPO, loadavg, slurm_case, slurm_installed
+    from api_load import REPO, loadavg, slurm_case, slurm_installed, slurm_mean
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=2000, help="submissions per case")
@@ -179,11 +179,11 @@ def main() -> None:
     results["floor"] = floor_case(args.jobs)
     print("  slurm      again, after the floor:", flush=True)
     results["slurm_again"] = slurm_case(args.jobs)
+    mean = slurm_mean(results["slurm"], results["slurm_again"])
     results["ratio_to_slurmrestd"] = ratios = {}
     for c in (1, 8):
-        key = f"slurmrestd_in_flight_{c}"
-        mean = (results["slurm"][key]["jobs_per_s"] + results["slurm_again"][key]["jobs_per_s"]) / 2
-        ratios[f"floor_c{c}"] = round(results["floor"][f"in_flight_{c}"]["jobs_per_s"] / mean, 2)
+        ratios[f"floor_c{c}"] = round(results["floor"][f"in_flight_{c}"]["jobs_per_s"]
+                                      / mean[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2)
         print(f"  ratio to slurmrestd (same in-flight; the mean of its two runs) floor_c{c}: {ratios[f'floor_c{c}']:.2f}x")
     results["load_after"] = loadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)

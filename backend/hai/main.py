@@ -101,7 +101,7 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if app.state.platform is None:
-            app.state.platform = Platform.from_settings(settings or get_settings())
+            app.state.platform = Platform.from_settings(configured_settings)
         app.state.auth_failures = guards.AuthFailures(app.state.platform.settings.limits)
         # issue 12: 2xx heartbeats left out of the access log (before the redaction filter)
         agent.quiet_heartbeat_access_log(not app.state.platform.settings.agent.access_log_heartbeats)
@@ -116,16 +116,16 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         if owned and app.state.platform is not None:
             app.state.platform.close()
 
-    http = (platform.settings if platform else (settings or get_settings())).http
+    configured_settings = platform.settings if platform else (settings or get_settings())
     app = _App(
         title="HAI platform",
         version="0.1.0",
         summary="GPU-cluster job scheduling: time-sharing, checkpoint-boundary preemption, fat-tree placement",
         lifespan=lifespan,
-        **_telemetry(http),
+        **_telemetry(configured_settings.http),
     )
     app.state.platform = platform
-    limits = (platform.settings if platform else (settings or get_settings())).limits
+    limits = configured_settings.limits
     app.state.auth_failures = guards.AuthFailures(limits)
     # outermost: the body limit, then a steady agent heartbeat answered before everything else (_App)
     app.max_body_bytes = limits.max_body_bytes
@@ -141,7 +141,7 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         app.include_router(module.router, responses=user_errors)
     app.include_router(nodes.validations_router, responses=user_errors)  # issue 10: GET /api/v1/validations/{id}
 
-    configured = (platform.settings if platform else (settings or get_settings())).frontend_dist
+    configured = configured_settings.frontend_dist
     dist = find_dashboard(configured)
     if dist is not None:
         app.mount("/", SpaStaticFiles(directory=dist, html=True), name="dashboard")

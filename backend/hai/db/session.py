@@ -188,14 +188,12 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 # -- on the event loop (issue 12) -----------------------------------------------------------------
-def make_loop_engine(url: str, *, echo: bool = False) -> AsyncEngine | None:
-    """PostgreSQL: an engine whose connections are psycopg's asyncio connections, for work run on
-    an event loop by ``on_loop`` (its pool belongs to the loop that first uses it); None for other
-    databases (SQLite's work stays in worker threads). Small: a process's submissions are written
-    by one writer at a time (api/jobs.SubmissionGroups). Idle connections are pinged on checkout as
-    in ``make_engine``."""
-    if not url.startswith("postgresql"):
-        return None
+def make_loop_engine(url: str, *, echo: bool = False) -> AsyncEngine:
+    """For a PostgreSQL ``url``: an engine whose connections are psycopg's asyncio connections,
+    for work run on an event loop by ``on_loop`` (its pool belongs to the loop that first uses
+    it; SQLite's work stays in worker threads). Small: a process's submissions are written by one
+    writer at a time (api/jobs.SubmissionGroups). Idle connections are pinged on checkout as in
+    ``make_engine``."""
     engine = create_async_engine(url, echo=echo, pool_size=2, max_overflow=4, pool_use_lifo=True)
     _ping_idle_connections(engine.sync_engine)
     return engine

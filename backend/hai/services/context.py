@@ -58,7 +58,6 @@ class Platform:
         entry = self._loop_engines.get(loop)
         if entry is None:
             engine = make_loop_engine(self.settings.database_url, echo=self.settings.db.echo)
-            assert engine is not None
             sessions = make_session_factory(engine.sync_engine)
             _publish_on_commit(sessions, self.notifier)
             self._loop_engines[loop] = entry = (engine, sessions)
