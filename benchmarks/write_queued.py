@@ -5,14 +5,17 @@ SELECT that locks them in id order and one UPDATE over arrays for all of them
 the same rows.
 
     HAI_TEST_DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:5432/scratch \
-      python benchmarks/write_queued.py [--jobs 100 1000 10000] [--rounds 5]
+      python benchmarks/write_queued.py [--jobs 100 1000 10000] [--rounds 5] [--fillfactor 100]
 
 The database at the URL is emptied (its ``public`` schema dropped) and migrated; one user's
 ``max(--jobs)`` queued jobs are inserted. Each write gives the first N jobs a new reason and a
 reservation, committed; the table is vacuumed (untimed) before the next write, as autovacuum keeps up.
-Per write: the wall time, this process's CPU and the CPU of the PostgreSQL backend that ran it
-(from /proc: the database must run on this machine). Prints one JSON object and writes it to
-``--out``.
+Per write: the wall time and this process's CPU (medians over the rounds), and the CPU of the
+PostgreSQL backend that ran it (from /proc, 10 ms clock ticks: the mean over the rounds; the
+database must run on this machine); at the end, how many of all the updates
+were HOT (the new version in the row's own page, no index touched: ``pg_stat_user_tables``).
+``--fillfactor 100`` rewrites the table as it was before migration 0021. Prints one JSON object
+and writes it to ``--out``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def backend_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-def seed(url: str, n: int) -> None:
+def seed(url: str, n: int, fillfactor: int | None = None) -> None:
     reset_postgres(url)
     upgrade(url)
     engine = create_engine(url)
@@ -57,6 +60,9 @@ def seed(url: str, n: int) -> None:
             "'NORMAL', false, 60, 'queued', now(), now(), 0, 0, 0, 'waiting', '[]', 'run', false, 0, 0 "
             "FROM generate_series(1, :n) g"), {"u": user, "n": n})
     with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        if fillfactor is not None:  # the table rewritten with another fill factor (100: before migration 0021)
+            conn.execute(text(f"ALTER TABLE jobs SET (fillfactor = {int(fillfactor)})"))
+            conn.execute(text("VACUUM FULL jobs"))
         conn.execute(text("VACUUM ANALYZE jobs"))  # settled, as autovacuum leaves a queue (not mid-run)
     engine.dispose()
 
@@ -65,12 +71,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, nargs="+", default=[100, 1000, 10000])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--fillfactor", type=int, choices=range(10, 101), metavar="10-100",
+                    help="rewrite the jobs table with this fill factor first (100: as before migration 0021)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "write_queued.json")
     args = ap.parse_args()
     url = os.environ["HAI_TEST_DATABASE_URL"]
-    seed(url, max(args.jobs))
+    seed(url, max(args.jobs), args.fillfactor)
     engine = create_engine(url)
-    results: dict = {"load_before": loadavg(), "cases": []}
+    results: dict = {"load_before": loadavg(), "fillfactor": args.fillfactor, "cases": []}
     autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def vacuum() -> None:
@@ -104,10 +112,19 @@ def main() -> None:
                     runs[way].append(write(way, n, r))
             case = {"jobs": n}
             for way, got in runs.items():
+                # medians; the backend's CPU (10 ms clock ticks) as the mean over the rounds
                 case[way] = {k: round(statistics.median(g[k] for g in got), 2) for k in got[0]}
+                case[way]["db_cpu_ms"] = round(statistics.fmean(g["db_cpu_ms"] for g in got), 1)
             case["wall_ratio"] = round(case["executemany"]["wall_ms"] / case["one statement"]["wall_ms"], 1)
             results["cases"].append(case)
+            conn.commit()
             print(json.dumps(case), flush=True)
+        # PostgreSQL's count of the updates that stayed in their page, over every write above
+        conn.execute(text("SELECT pg_stat_force_next_flush()"))
+        conn.commit()
+        results["updates"], results["hot_updates"] = conn.execute(text(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'")).one()
+        print(json.dumps({"updates": results["updates"], "hot_updates": results["hot_updates"]}))
     engine.dispose()
     results["load_after"] = loadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
