@@ -643,6 +643,14 @@ def pids_named(*names: str) -> list[int]:
     return out
 
 
+def write_results(out: Path, results: dict) -> None:
+    """A benchmark's results, with the load average at its end, as JSON at ``out``."""
+    results["load_after"] = loadavg()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def cpu_s(pids: list[int]) -> float:
     """User + system CPU seconds of these processes so far (the server's workers)."""
     total = 0
@@ -818,10 +826,7 @@ def main() -> None:
                     print(f"  ratio to slurmrestd job arrays (same in-flight, {b} jobs a request) {k}: {v:.2f}x")
     if args.reads or args.reads_only:
         results["reads"] = reads_case(args.read_jobs, 1250, args.repeat, args.profile, args.churn)
-    results["load_after"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from api_load import HAI, READS, REPO, Churn, Procs, children, cpu_s, free_port, loadavg, summarise, wait_for  # noqa: E402
+from api_load import HAI, READS, REPO, Churn, Procs, children, cpu_s, free_port, loadavg, summarise, wait_for, write_results  # noqa: E402
 
 from sqlalchemy import create_engine, text  # noqa: E402
 
@@ -134,10 +134,7 @@ def main() -> None:
             for _, c in servers.values():
                 c.close()
             procs.stop()
-    results["load_after"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def floor_case(n: int) -> dict:
 
 
 def main() -> None:
-    from api_load import REPO, loadavg, slurm_case, slurm_installed, slurm_mean
+    from api_load import REPO, loadavg, slurm_case, slurm_installed, slurm_mean, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=2000, help="submissions per case")
@@ -185,10 +185,7 @@ def main() -> None:
         ratios[f"floor_c{c}"] = round(results["floor"][f"in_flight_{c}"]["jobs_per_s"]
                                       / mean[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2)
         print(f"  ratio to slurmrestd (same in-flight; the mean of its two runs) floor_c{c}: {ratios[f'floor_c{c}']:.2f}x")
-    results["load_after"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -30,19 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api_load import REPO, loadavg, reset_postgres  # noqa: E402
+from api_load import REPO, cpu_s, loadavg, reset_postgres, write_results  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 
 from hai.db.migrate import upgrade  # noqa: E402
 from hai.services import scheduling  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def backend_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
-
 
 def seed(url: str, n: int, fillfactor: int | None = None) -> None:
     reset_postgres(url)
@@ -92,13 +84,13 @@ def main() -> None:
 
         def write(way: str, n: int, round_: int) -> dict:
             writes = [(i, [f"n{i % 7}"], f"Resources: round {round_} job {i}") for i in ids[:n]]
-            db0, cpu0, t0 = backend_cpu_s(pid), time.process_time(), time.perf_counter()
+            db0, cpu0, t0 = cpu_s([pid]), time.process_time(), time.perf_counter()
             if way == "one statement":
                 scheduling.write_queued_pg(conn, writes)
             else:
                 conn.execute(scheduling._WRITE_QUEUED, [{"i": i, "n": r, "r": p} for i, r, p in writes])
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            db = backend_cpu_s(pid) - db0
+            db = cpu_s([pid]) - db0
             conn.commit()
             vacuum()  # the dead versions gone before the next write, as autovacuum keeps up with a queue
             return {"wall_ms": wall * 1e3, "client_cpu_ms": cpu * 1e3, "db_cpu_ms": db * 1e3}
@@ -126,10 +118,7 @@ def main() -> None:
             "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'")).one()
         print(json.dumps({"updates": results["updates"], "hot_updates": results["hot_updates"]}))
     engine.dispose()
-    results["load_after"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -88,12 +88,12 @@ def _fillfactor(engine) -> list[str] | None:  # noqa: ANN001
 def test_the_jobs_table_keeps_room_in_its_pages_after_0021_and_in_the_models(pg_url, second_pg_url):
     """Migration 0021 sets fillfactor 80 on jobs (and 0020 has none); ``create_all`` of the models
     (the test platform, ``hai dev`` on PostgreSQL) gives the same."""
-    downgrade_to, engine = "0020", create_engine(pg_url)
-    upgrade(pg_url, downgrade_to)
+    engine = create_engine(pg_url)
+    upgrade(pg_url, "0020")
     assert _fillfactor(engine) is None
     upgrade(pg_url)
     assert _fillfactor(engine) == ["fillfactor=80"]
-    downgrade(pg_url, downgrade_to)
+    downgrade(pg_url, "0020")
     assert _fillfactor(engine) is None
     engine.dispose()
     models = create_engine(second_pg_url)
