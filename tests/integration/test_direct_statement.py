@@ -1,13 +1,14 @@
 """A statement run on the driver's cursor (hai.db.direct, issue 12): the same row as SQLAlchemy's
 own execution gives, its errors raised as SQLAlchemy raises them, a dead connection
-invalidated as SQLAlchemy invalidates it, and the caller's transaction or autocommit kept."""
+invalidated as SQLAlchemy invalidates it, and the caller's transaction or autocommit kept; on
+PostgreSQL (named parameters) and on SQLite (positional ones, a parameter used twice)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table, bindparam, insert, select, text
+from sqlalchemy import JSON, Column, DateTime, Integer, MetaData, String, Table, bindparam, func, insert, select, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -23,11 +24,17 @@ _things = Table(
     Column("name", String(40), unique=True),
     Column("at", UTCDateTime),
     Column("plain_at", DateTime(timezone=True)),
-    Column("doc", JSONB),
+    Column("doc", JSON().with_variant(JSONB, "postgresql")),
 )
-_INSERT = insert(_things).values(name=bindparam("name"), at=bindparam("at"), plain_at=bindparam("at"),
-                                 doc=bindparam("doc", type_=JSONB)).returning(*_things.c)
+_INSERT = insert(_things).values(name=bindparam("name"), at=bindparam("at"), plain_at=bindparam("plain_at"),
+                                 doc=bindparam("doc", type_=_things.c.doc.type)).returning(*_things.c)
+_PLAIN = insert(_things).values(name=bindparam("name"), at=bindparam("at"))  # no RETURNING
+# a parameter twice, another between (SQLite's are positional: each in its place)
+_SEEN = select(_things.c.id, _things.c.at).where(
+    _things.c.name == bindparam("name"), _things.c.id > bindparam("after"), func.length(bindparam("name")) > 0)
 _DIRECT = DirectStatement(_INSERT, {c.name: c.type for c in _things.c})
+_DIRECT_PLAIN = DirectStatement(_PLAIN, {})
+_DIRECT_SEEN = DirectStatement(_SEEN, {"at": _things.c.at.type})
 
 
 @pytest.fixture
@@ -41,14 +48,29 @@ def engine(pg_url: str, monkeypatch: pytest.MonkeyPatch):
     engine.dispose()
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_engine(request, tmp_path):  # noqa: ANN001, ANN201
+    """As ``engine``, once on SQLite (hai's engine: WAL, the write gate) and once on PostgreSQL."""
+    if request.param == "postgresql":
+        yield request.getfixturevalue("engine")
+        return
+    engine = make_engine(f"sqlite:///{tmp_path / 'direct.db'}")
+    _meta.create_all(engine)
+    yield engine
+    engine.dispose()
+
+
 def _params(name: str) -> dict:
-    return {"name": name, "at": datetime(2026, 12, 5, 9, 30, tzinfo=timezone(timedelta(hours=2))),
+    at = datetime(2026, 12, 5, 9, 30, tzinfo=timezone(timedelta(hours=2)))
+    return {"name": name, "at": at, "plain_at": at,
             "doc": {"command": ["sleep", "1"], "n": 2}}
 
 
-def test_the_row_is_what_sqlalchemy_returns(engine) -> None:  # noqa: ANN001
-    with engine.connect() as conn:
-        conn.execute(text("SET TIME ZONE 'Asia/Shanghai'"))  # not UTC: the result processor must convert
+def test_the_row_is_what_sqlalchemy_returns(any_engine) -> None:  # noqa: ANN001
+    postgresql = any_engine.dialect.name == "postgresql"
+    with any_engine.connect() as conn:
+        if postgresql:
+            conn.execute(text("SET TIME ZONE 'Asia/Shanghai'"))  # not UTC: the result processor must convert
         direct = _DIRECT.one(conn, _params("a"))
         through = conn.execute(_INSERT, _params("b")).one()
         conn.commit()
@@ -57,22 +79,40 @@ def test_the_row_is_what_sqlalchemy_returns(engine) -> None:  # noqa: ANN001
     # the bind processor made the time UTC, the result processor gives it back in UTC
     assert direct.at == through.at == datetime(2026, 12, 5, 7, 30, tzinfo=timezone.utc)
     assert direct.at.tzinfo == through.at.tzinfo == timezone.utc
-    assert direct.plain_at == through.plain_at  # no processor: as the driver gives it (the session's zone)
-    assert direct.plain_at.utcoffset() == timedelta(hours=8)
+    assert direct.plain_at == through.plain_at  # no processor of ours: as the dialect gives it
+    if postgresql:
+        assert direct.plain_at.utcoffset() == timedelta(hours=8)  # the driver's, in the session's zone
+    else:
+        assert isinstance(direct.plain_at, datetime)  # SQLite's DATETIME parsed its text, as for `through`
 
 
-def test_it_runs_in_the_callers_transaction_or_autocommit(engine) -> None:  # noqa: ANN001
-    with engine.connect() as conn:
+def test_first_run_and_the_rows_written(any_engine) -> None:  # noqa: ANN001
+    at = datetime(2026, 12, 5, 12, 0, tzinfo=timezone.utc)
+    with any_engine.begin() as conn:  # (a transaction begun, as a Session's connection is)
+        assert _DIRECT_PLAIN.run(conn, {"name": "plain", "at": at}) == 1
+        assert _DIRECT_SEEN.first(conn, {"name": "nobody", "after": 0}) is None
+        with pytest.raises(LookupError):
+            _DIRECT_SEEN.one(conn, {"name": "nobody", "after": 0})
+        seen = _DIRECT_SEEN.first(conn, {"name": "plain", "after": 0})
+        assert _DIRECT_SEEN.first(conn, {"name": "plain", "after": seen.id}) is None
+    with any_engine.connect() as conn:
+        row = conn.execute(_SEEN, {"name": "plain", "after": 0}).one()
+    assert seen == tuple(row) and seen.at == at and seen.at.tzinfo == timezone.utc
+
+
+def test_it_runs_in_the_callers_transaction_or_autocommit(any_engine) -> None:  # noqa: ANN001
+    with any_engine.connect() as conn:
+        conn.begin()  # (as a Session's connection is)
         _DIRECT.one(conn, _params("rolled back"))
         conn.rollback()
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+    with any_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         _DIRECT.one(conn, _params("kept"))  # committed by itself: the connection is closed without a commit
-    with engine.connect() as conn:
+    with any_engine.connect() as conn:
         assert conn.scalars(select(_things.c.name)).all() == ["kept"]
 
 
-def test_a_driver_error_is_raised_as_sqlalchemy_raises_it(engine) -> None:  # noqa: ANN001
-    with engine.connect() as conn:
+def test_a_driver_error_is_raised_as_sqlalchemy_raises_it(any_engine) -> None:  # noqa: ANN001
+    with any_engine.connect() as conn:
         _DIRECT.one(conn, _params("same"))
         with pytest.raises(IntegrityError) as failed:
             _DIRECT.one(conn, _params("same"))

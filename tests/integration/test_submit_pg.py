@@ -200,6 +200,50 @@ def test_on_postgresql_a_submission_is_one_statement_in_autocommit(make_api, mon
     assert _counts(api) == (3, 3, 1)
 
 
+@pytest.mark.parametrize("make_api", ["sqlite"], indirect=True)
+def test_on_sqlite_a_submission_is_its_statements_on_the_driver(make_api):
+    """SQLite: with the credential cached, one transaction under the write lock: the key's
+    earlier use, the admission's figures, the job, its event and its key, committed; the five
+    statements run on the driver's cursor (hai.db.direct), only the BEGIN through SQLAlchemy's
+    execution. Seen by SQLite itself (its trace callback) and by SQLAlchemy's cursor event."""
+    api = make_api()
+    api.register_node("n0")
+    assert _post(api, BODY).status_code == 201  # the credential is now cached
+    engine = api.platform.engine
+    seen: list[str] = []  # what SQLite ran
+    through: list[str] = []  # what SQLAlchemy's execution ran
+
+    def _trace(dbapi_conn, _record, _proxy) -> None:  # noqa: ANN001
+        dbapi_conn.set_trace_callback(lambda sql: seen.append(" ".join(sql.split()[:3])))
+
+    def _untrace(dbapi_conn, _record) -> None:  # noqa: ANN001
+        dbapi_conn.set_trace_callback(None)
+
+    def _through(_conn, _cursor, statement, _params, _context, _many) -> None:  # noqa: ANN001
+        through.append(statement)
+
+    event.listen(engine, "checkout", _trace)
+    event.listen(engine, "checkin", _untrace)
+    event.listen(engine, "before_cursor_execute", _through)
+    try:
+        r = _post(api, BODY, key="k")
+    finally:
+        event.remove(engine, "checkout", _trace)
+        event.remove(engine, "checkin", _untrace)
+        event.remove(engine, "before_cursor_execute", _through)
+    assert r.status_code == 201, r.text
+    # (SQLite traces the start of each trigger the INSERT fires with the INSERT's own text again)
+    ran = [s for i, s in enumerate(seen) if not s.startswith("ROLLBACK") and (i == 0 or s != seen[i - 1])]
+    assert ran == [
+        "BEGIN IMMEDIATE", "SELECT idempotency_keys.job_id, idempotency_keys.request_hash", "SELECT coalesce(sum(node_sizes.nodes), 0)",
+        "INSERT INTO jobs", "INSERT INTO job_events", "INSERT INTO idempotency_keys", "COMMIT"]
+    assert through == ["BEGIN IMMEDIATE"]
+    assert _counts(api) == (2, 2, 1)
+    job = api.get(f"/api/v1/jobs/{r.json()['id']}").json()
+    assert job["state"] == "queued" and job["created_at"] == r.json()["created_at"]
+    assert [e["reason"] for e in job["events"]] == ["submitted"]
+
+
 def test_a_token_looked_up_in_the_submission_commits_with_it(make_api):
     """No credential cache: the token's look-up and its last-used write share the submission's
     transaction (on PostgreSQL the one statement then runs inside it, not in autocommit)."""

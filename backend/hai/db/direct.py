@@ -9,7 +9,13 @@ through SQLAlchemy's own bind processors; only the execution skips the per-call 
 that machinery does besides, this keeps: a driver error is raised as SQLAlchemy raises it
 (``IntegrityError``, ``OperationalError``; a disconnect invalidates the pool, as the API's 503
 expects), through the connection's own handler; the statement runs on the connection of the
-caller's session, so inside its transaction (or in autocommit when the session asked for it)."""
+caller's session, so inside its transaction (begun: a Session's connection is; or in autocommit
+when the session asked for it).
+
+The same holds on SQLite (positional parameters, in the compiled statement's order), where a
+single submission is three statements in a transaction (the admission's figures, the job, its
+event): through ``Connection.execute`` a third of a submission's CPU went to SQLAlchemy's
+per-execute work."""
 
 from __future__ import annotations
 
@@ -30,53 +36,82 @@ class DirectStatement:
     def __init__(self, statement: ClauseElement, types: dict[str, TypeEngine]) -> None:
         self.statement = statement
         self.types = types
-        self._compiled: dict[Any, tuple[Any, str, dict]] = {}
+        self._compiled: dict[Any, tuple[Any, str, dict, tuple | None]] = {}
         # by dialect: the row's type and result processors, from the first execution's description
         # (psycopg builds the description's objects anew on every access: ~5% of a submission)
         self._rows: dict[Any, tuple[type, list[tuple[int, Any]]]] = {}
 
-    def _for(self, dialect) -> tuple[Any, str, dict]:  # noqa: ANN001
+    def _for(self, dialect) -> tuple[Any, str, dict, tuple | None]:  # noqa: ANN001
         entry = self._compiled.get(dialect)
         if entry is None:
             compiled = self.statement.compile(dialect=dialect)
             # the processors SQLAlchemy's own execution applies to these parameters
-            entry = (compiled, str(compiled), dict(compiled._bind_processors))
+            order = tuple(compiled.positiontup) if compiled.positional else None  # (SQLite: qmark)
+            entry = (compiled, str(compiled), dict(compiled._bind_processors), order)
             self._compiled[dialect] = entry
         return entry
 
     def _row_type(self, dialect, cursor) -> tuple[type, list[tuple[int, Any]]]:  # noqa: ANN001
         entry = self._rows.get(dialect)
         if entry is None:
-            names = tuple(d.name for d in cursor.description)
+            description = [(d[0], d[1]) for d in cursor.description]  # (psycopg: a Column; sqlite3: a tuple)
+            names = tuple(name for name, _ in description)
             processors = []
-            for i, name in enumerate(names):
+            for i, (name, type_code) in enumerate(description):
                 t = self.types.get(name)
-                p = t.result_processor(dialect, None) if t is not None else None
+                # the dialect's own implementation's processor for the driver's type code (SQLite's
+                # DATETIME parses its text; psycopg's numerics), as SQLAlchemy's execution asks it
+                p = t._cached_result_processor(dialect, type_code) if t is not None else None
                 if p is not None:
                     processors.append((i, p))
             entry = (collections.namedtuple("DirectRow", names), processors)
             self._rows[dialect] = entry
         return entry
 
-    def one(self, conn: Connection, params: dict) -> Any:  # noqa: ANN401 - a named tuple of the statement's columns
-        compiled, sql, processors = self._for(conn.dialect)
+    def _values(self, conn: Connection, params: dict) -> tuple[str, Any]:
+        compiled, sql, processors, order = self._for(conn.dialect)
         values = compiled.construct_params(params)
         for name, process in processors.items():
             if name in values:
                 values[name] = process(values[name])
+        return sql, values if order is None else tuple(values[name] for name in order)
+
+    def _execute(self, conn: Connection, params: dict, fetch: bool) -> tuple[Any, Any]:
+        """The statement run on ``conn``'s driver cursor: (its first row, raw, or None; the cursor's
+        row count); a driver error translated as SQLAlchemy translates it."""
+        sql, values = self._values(conn, params)
         cursor = conn.connection.dbapi_connection.cursor()
         try:
             cursor.execute(sql, values)
-            raw = cursor.fetchone()
-            row_type, result_processors = self._row_type(conn.dialect, cursor)
+            raw = cursor.fetchone() if fetch else None
+            if raw is not None:
+                self._row_type(conn.dialect, cursor)
+            return raw, cursor.rowcount
         except Exception as exc:  # noqa: BLE001 - translated (and the pool invalidated on a disconnect) as SQLAlchemy does
             conn._handle_dbapi_exception(exc, sql, values, cursor, None)
+            raise  # (not reached: the handler raises)
         finally:
             cursor.close()
+
+    def first(self, conn: Connection, params: dict) -> Any:  # noqa: ANN401 - a named tuple of the statement's columns
+        """Its first row, or None when it returned none."""
+        raw, _ = self._execute(conn, params, fetch=True)
         if raw is None:
-            raise LookupError("the statement returned no row")
+            return None
+        row_type, result_processors = self._rows[conn.dialect]
         if result_processors:
             raw = list(raw)
             for i, process in result_processors:
                 raw[i] = process(raw[i])
         return row_type._make(raw)
+
+    def one(self, conn: Connection, params: dict) -> Any:  # noqa: ANN401 - a named tuple of the statement's columns
+        """Its first row; LookupError when it returned none."""
+        row = self.first(conn, params)
+        if row is None:
+            raise LookupError("the statement returned no row")
+        return row
+
+    def run(self, conn: Connection, params: dict) -> int:
+        """A statement that returns no rows (an INSERT without RETURNING): the rows it wrote."""
+        return self._execute(conn, params, fetch=False)[1]
