@@ -1,0 +1,141 @@
+"""A single submission's CPU in process, without HTTP (issue 12): ``submissions.submit_group`` with a
+group of one, as the API's writer calls it for one request in flight, on a fresh SQLite file (the
+``hai dev`` database) or, with ``--postgresql``, on HAI_TEST_DATABASE_URL (its schema is dropped
+and migrated: a database of your own). Four 8-GPU nodes registered, one user; each user's
+queued-jobs rows folded every 256 submissions, as the scheduler folds them.
+
+Each measurement is a fresh process: ``--jobs`` submissions timed with ``time.process_time``.
+``--before DIR`` measures another checkout's ``backend`` (on PYTHONPATH) too, the two alternated
+round by round so both see the same minutes of a shared machine; ``--callgrind`` counts each
+side's instructions a submission instead (valgrind: a run of ``--jobs`` and one of five times as
+many, the difference divided by the extra jobs: start-up cancels out).
+
+    python benchmarks/submit_inprocess.py [--jobs 1000 --rounds 6] [--before /other/checkout/backend] [--callgrind]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# (the worker imports nothing of this directory: api_load puts this checkout's backend first on
+# sys.path, and the worker must measure the backend its PYTHONPATH names)
+
+
+def worker(jobs: int, postgresql: bool, key: bool) -> float:
+    """CPU milliseconds a submission, measured in this process."""
+    from hai.db.migrate import upgrade
+    from hai.protocol import AgentHello, GpuInfo
+    from hai.schemas.jobs import JobCreate
+    from hai.services import agents, auth, queued_counts, submissions
+    from hai.services.context import Platform
+    from hai.settings import Settings
+
+    tmp = Path(tempfile.mkdtemp(prefix="hai-submit-inprocess-"))
+    if postgresql:
+        from sqlalchemy import create_engine, text
+        url = os.environ["HAI_TEST_DATABASE_URL"]
+        engine = create_engine(url)
+        with engine.begin() as conn:  # as api_load.reset_postgres
+            conn.execute(text("DROP SCHEMA public CASCADE"))
+            conn.execute(text("CREATE SCHEMA public"))
+        engine.dispose()
+    else:
+        url = f"sqlite:///{tmp / 'hai.db'}"
+    upgrade(url)
+    platform = Platform.from_settings(Settings(data_dir=tmp, frontend_dist=tmp / "none", db={"url": url}))
+    with platform.sessions() as s:
+        for n in range(4):
+            agents.register(session=s, settings=platform.settings, hello=AgentHello(
+                node=f"n{n}", zone="A", leaf="A1", address="127.0.0.1", fake_gpus=True,
+                gpus=[GpuInfo(index=i, uuid=f"GPU-{n}-{i}", model="Fake", memory_total_mib=1) for i in range(8)]))
+        user, _ = auth.create_user(session=s, name="alice", group="g")
+        alice = auth.Principal(kind="user", user_id=user.id, name="alice", group="g")
+    spec = JobCreate(name="bench", command=["sleep", "1"], gpus_per_node=1)
+    limits = platform.settings.limits
+    for i in range(50):  # warm: compiled statements, pool
+        submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, f"w{i}" if key else None)],
+                                 limits=limits)
+    spent = 0.0
+    for i in range(jobs):
+        if i % 256 == 0:
+            with platform.sessions() as s:
+                queued_counts.fold(s)
+        t = time.process_time()
+        out = submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, f"k{i}" if key else None)],
+                                       limits=limits)
+        spent += time.process_time() - t
+        if isinstance(out[0], Exception):
+            raise out[0]
+    platform.close()
+    return spent / jobs * 1e3
+
+
+def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=str(backend))
+    cmd = [sys.executable, __file__, "--worker", "--jobs", str(jobs)] + (["--postgresql"] if args.postgresql else []) \
+        + (["--key"] if args.key else [])
+    if callgrind is not None:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}"] + cmd
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return done.stdout + done.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--postgresql", action="store_true", help="HAI_TEST_DATABASE_URL instead of a SQLite file")
+    ap.add_argument("--key", action="store_true", help="each submission with an Idempotency-Key (as `hai submit` sends)")
+    ap.add_argument("--before", type=Path, help="another checkout's backend directory, measured alternately")
+    ap.add_argument("--callgrind", action="store_true", help="instructions a submission (valgrind), not CPU time")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "submit_inprocess.json")
+    args = ap.parse_args()
+    if args.worker:
+        import hai
+        print(json.dumps({"cpu_ms": worker(args.jobs, args.postgresql, args.key), "hai": hai.__file__}))
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from api_load import loadavg, write_results
+    sides = {"this": REPO / "backend"} | ({"before": args.before.resolve()} if args.before else {})
+    results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "load": loadavg(),
+                     "sides": {name: str(path) for name, path in sides.items()}}
+    if args.callgrind:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, backend in sides.items():
+                counts = []
+                for jobs in (args.jobs, 5 * args.jobs):
+                    out = run_side(backend, args, jobs, callgrind=Path(tmp) / f"{name}-{jobs}.out")
+                    counts.append(int(re.search(r"Collected : (\d+)", out).group(1)))
+                per = (counts[1] - counts[0]) / (4 * args.jobs)
+                results[name] = {"instructions_per_submission": round(per)}
+                print(f"{name:>6}: {per / 1e6:.3f} M instructions a submission")
+    else:
+        per_side: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for name in order:
+                answer = json.loads(run_side(sides[name], args, args.jobs).strip().splitlines()[-1])
+                assert answer["hai"].startswith(str(sides[name])), (name, answer["hai"])  # the backend asked for
+                per_side[name].append(answer["cpu_ms"])
+            print(f"round {r + 1}: " + ", ".join(f"{n} {per_side[n][-1]:.3f} ms" for n in sides), flush=True)
+        for name, values in per_side.items():
+            results[name] = {"cpu_ms_per_submission": values, "median": round(statistics.median(values), 3),
+                             "min": round(min(values), 3)}
+            print(f"{name:>6}: CPU a submission median {statistics.median(values):.3f} ms, min {min(values):.3f} ms")
+    results["at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
