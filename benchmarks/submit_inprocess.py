@@ -27,12 +27,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# (the worker imports nothing of this directory: api_load puts this checkout's backend first on
-# sys.path, and the worker must measure the backend its PYTHONPATH names)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def worker(jobs: int, postgresql: bool, key: bool) -> float:
     """CPU milliseconds a submission, measured in this process."""
+    # ``hai`` first, from the backend PYTHONPATH names: api_load puts this checkout's backend first
+    # on sys.path, but a submodule is found through its imported package's own path
+    import hai  # noqa: F401
+    from api_load import reset_postgres
+
     from hai.db.migrate import upgrade
     from hai.protocol import AgentHello, GpuInfo
     from hai.schemas.jobs import JobCreate
@@ -42,13 +46,8 @@ def worker(jobs: int, postgresql: bool, key: bool) -> float:
 
     tmp = Path(tempfile.mkdtemp(prefix="hai-submit-inprocess-"))
     if postgresql:
-        from sqlalchemy import create_engine, text
         url = os.environ["HAI_TEST_DATABASE_URL"]
-        engine = create_engine(url)
-        with engine.begin() as conn:  # as api_load.reset_postgres
-            conn.execute(text("DROP SCHEMA public CASCADE"))
-            conn.execute(text("CREATE SCHEMA public"))
-        engine.dispose()
+        reset_postgres(url)
     else:
         url = f"sqlite:///{tmp / 'hai.db'}"
     upgrade(url)
@@ -80,14 +79,18 @@ def worker(jobs: int, postgresql: bool, key: bool) -> float:
     return spent / jobs * 1e3
 
 
-def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path | None = None) -> str:
+def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path | None = None) -> tuple[dict, str]:
+    """One worker on ``backend``: its answer (checked to have measured that backend's code) and
+    its standard error (valgrind's summary)."""
     env = dict(os.environ, PYTHONPATH=str(backend))
     cmd = [sys.executable, __file__, "--worker", "--jobs", str(jobs)] + (["--postgresql"] if args.postgresql else []) \
         + (["--key"] if args.key else [])
     if callgrind is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}"] + cmd
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    return done.stdout + done.stderr
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["measured"].startswith(str(backend)), (str(backend), answer["measured"])
+    return answer, done.stderr
 
 
 def main() -> None:
@@ -102,10 +105,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "submit_inprocess.json")
     args = ap.parse_args()
     if args.worker:
-        import hai
-        print(json.dumps({"cpu_ms": worker(args.jobs, args.postgresql, args.key), "hai": hai.__file__}))
+        cpu_ms = worker(args.jobs, args.postgresql, args.key)
+        print(json.dumps({"cpu_ms": cpu_ms, "measured": sys.modules["hai.services.jobs"].__file__}))
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from api_load import loadavg, write_results
     sides = {"this": REPO / "backend"} | ({"before": args.before.resolve()} if args.before else {})
     results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "load": loadavg(),
@@ -115,8 +117,8 @@ def main() -> None:
             for name, backend in sides.items():
                 counts = []
                 for jobs in (args.jobs, 5 * args.jobs):
-                    out = run_side(backend, args, jobs, callgrind=Path(tmp) / f"{name}-{jobs}.out")
-                    counts.append(int(re.search(r"Collected : (\d+)", out).group(1)))
+                    _, valgrind = run_side(backend, args, jobs, callgrind=Path(tmp) / f"{name}-{jobs}.out")
+                    counts.append(int(re.search(r"Collected : (\d+)", valgrind).group(1)))
                 per = (counts[1] - counts[0]) / (4 * args.jobs)
                 results[name] = {"instructions_per_submission": round(per)}
                 print(f"{name:>6}: {per / 1e6:.3f} M instructions a submission")
@@ -125,8 +127,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for name in order:
-                answer = json.loads(run_side(sides[name], args, args.jobs).strip().splitlines()[-1])
-                assert answer["hai"].startswith(str(sides[name])), (name, answer["hai"])  # the backend asked for
+                answer, _ = run_side(sides[name], args, args.jobs)
                 per_side[name].append(answer["cpu_ms"])
             print(f"round {r + 1}: " + ", ".join(f"{n} {per_side[n][-1]:.3f} ms" for n in sides), flush=True)
         for name, values in per_side.items():

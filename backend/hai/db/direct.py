@@ -13,9 +13,9 @@ caller's session, so inside its transaction (begun: a Session's connection is; o
 when the session asked for it).
 
 The same holds on SQLite (positional parameters, in the compiled statement's order), where a
-single submission is three statements in a transaction (the admission's figures, the job, its
-event): through ``Connection.execute`` a third of a submission's CPU went to SQLAlchemy's
-per-execute work."""
+single submission is up to five statements in a transaction (the key's look-up, the admission's
+figures, the job, its event, its key): through ``Connection.execute`` SQLAlchemy's per-execute
+work was 29% of a submission's instructions in process (benchmarks/submit_inprocess.py)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from sqlalchemy.types import TypeEngine
 
 
 class DirectStatement:
-    """``statement`` compiled once per dialect; ``one(conn, params)`` runs it on ``conn``'s
-    driver cursor and returns its first row as a named tuple, each column converted by the
-    result processor of its type in ``types`` (name -> type; a column not named there is
-    returned as the driver gives it)."""
+    """``statement`` compiled once per dialect; ``first(conn, params)`` (or ``one``) runs it on
+    ``conn``'s driver cursor and returns its first row as a named tuple, each column converted by
+    the result processor of its type in ``types`` (name -> type; a column not named there is
+    returned as the driver gives it); ``run`` runs one that returns no rows."""
 
     def __init__(self, statement: ClauseElement, types: dict[str, TypeEngine]) -> None:
         self.statement = statement
@@ -76,17 +76,17 @@ class DirectStatement:
                 values[name] = process(values[name])
         return sql, values if order is None else tuple(values[name] for name in order)
 
-    def _execute(self, conn: Connection, params: dict, fetch: bool) -> tuple[Any, Any]:
-        """The statement run on ``conn``'s driver cursor: (its first row, raw, or None; the cursor's
-        row count); a driver error translated as SQLAlchemy translates it."""
+    def _execute(self, conn: Connection, params: dict, fetch: bool) -> tuple[Any, Any, int]:
+        """The statement run on ``conn``'s driver cursor: (its first row, raw, or None; that row's
+        type and result processors, or None; the cursor's row count); a driver error translated as
+        SQLAlchemy translates it."""
         sql, values = self._values(conn, params)
         cursor = conn.connection.dbapi_connection.cursor()
         try:
             cursor.execute(sql, values)
             raw = cursor.fetchone() if fetch else None
-            if raw is not None:
-                self._row_type(conn.dialect, cursor)
-            return raw, cursor.rowcount
+            shape = self._row_type(conn.dialect, cursor) if raw is not None else None
+            return raw, shape, cursor.rowcount
         except Exception as exc:  # noqa: BLE001 - translated (and the pool invalidated on a disconnect) as SQLAlchemy does
             conn._handle_dbapi_exception(exc, sql, values, cursor, None)
             raise  # (not reached: the handler raises)
@@ -95,10 +95,10 @@ class DirectStatement:
 
     def first(self, conn: Connection, params: dict) -> Any:  # noqa: ANN401 - a named tuple of the statement's columns
         """Its first row, or None when it returned none."""
-        raw, _ = self._execute(conn, params, fetch=True)
+        raw, shape, _ = self._execute(conn, params, fetch=True)
         if raw is None:
             return None
-        row_type, result_processors = self._rows[conn.dialect]
+        row_type, result_processors = shape
         if result_processors:
             raw = list(raw)
             for i, process in result_processors:
@@ -114,4 +114,4 @@ class DirectStatement:
 
     def run(self, conn: Connection, params: dict) -> int:
         """A statement that returns no rows (an INSERT without RETURNING): the rows it wrote."""
-        return self._execute(conn, params, fetch=False)[1]
+        return self._execute(conn, params, fetch=False)[2]
