@@ -2,7 +2,7 @@
 admission checks and the writes are one statement (services/jobs._one_statement) run in
 autocommit; these tests hold both databases to the same answers, refusals (nothing written) and
 idempotency, and check that a submission with a cached credential is one statement on
-PostgreSQL."""
+PostgreSQL and, on SQLite, statements run on the driver's cursor."""
 
 from __future__ import annotations
 
