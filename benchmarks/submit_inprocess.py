@@ -11,6 +11,7 @@ side's instructions a submission instead (valgrind: a run of ``--jobs`` and one 
 many, the difference divided by the extra jobs: start-up cancels out).
 
     python benchmarks/submit_inprocess.py [--jobs 1000 --rounds 6] [--before /other/checkout/backend] [--callgrind]
+    python benchmarks/submit_inprocess.py --postgresql --loop [--before ...]   # as `hai server` writes one: on the event loop
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(jobs: int, postgresql: bool, key: bool) -> float:
+def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False) -> float:
     """CPU milliseconds a submission, measured in this process."""
     # ``hai`` first, from the backend PYTHONPATH names: api_load puts this checkout's backend first
     # on sys.path, but a submodule is found through its imported package's own path
@@ -61,6 +62,30 @@ def worker(jobs: int, postgresql: bool, key: bool) -> float:
         alice = auth.Principal(kind="user", user_id=user.id, name="alice", group="g")
     spec = JobCreate(name="bench", command=["sleep", "1"], gpus_per_node=1)
     limits = platform.settings.limits
+    if loop:  # the API writer's own call for a group of one, on an event loop (uvloop, as `hai server`)
+        import uvloop
+
+        from hai.api.jobs import SubmissionGroups
+
+        async def on_loop() -> float:
+            for i in range(50):  # warm: compiled statements, connections
+                await SubmissionGroups._written(platform, [(spec, alice, f"w{i}" if key else None)])
+            spent = 0.0
+            for i in range(jobs):
+                if i % 256 == 0:
+                    with platform.sessions() as s:
+                        queued_counts.fold(s)
+                t = time.process_time()
+                out = await SubmissionGroups._written(platform, [(spec, alice, f"k{i}" if key else None)])
+                spent += time.process_time() - t
+                if isinstance(out[0], Exception):
+                    raise out[0]
+            await platform.close_loop()
+            return spent
+
+        spent = uvloop.run(on_loop())
+        platform.close()
+        return spent / jobs * 1e3
     for i in range(50):  # warm: compiled statements, pool
         submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, f"w{i}" if key else None)],
                                  limits=limits)
@@ -84,7 +109,7 @@ def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path
     its standard error (valgrind's summary)."""
     env = dict(os.environ, PYTHONPATH=str(backend))
     cmd = [sys.executable, __file__, "--worker", "--jobs", str(jobs)] + (["--postgresql"] if args.postgresql else []) \
-        + (["--key"] if args.key else [])
+        + (["--key"] if args.key else []) + (["--loop"] if args.loop else [])
     if callgrind is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}"] + cmd
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -99,18 +124,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--postgresql", action="store_true", help="HAI_TEST_DATABASE_URL instead of a SQLite file")
     ap.add_argument("--key", action="store_true", help="each submission with an Idempotency-Key (as `hai submit` sends)")
+    ap.add_argument("--loop", action="store_true", help=(
+        "with --postgresql: the API writer's call for one request in flight (SubmissionGroups._written) on "
+        "an event loop, as `hai server` writes a submission"))
     ap.add_argument("--before", type=Path, help="another checkout's backend directory, measured alternately")
     ap.add_argument("--callgrind", action="store_true", help="instructions a submission (valgrind), not CPU time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "submit_inprocess.json")
     args = ap.parse_args()
     if args.worker:
-        cpu_ms = worker(args.jobs, args.postgresql, args.key)
+        cpu_ms = worker(args.jobs, args.postgresql, args.key, args.loop)
         print(json.dumps({"cpu_ms": cpu_ms, "measured": sys.modules["hai.services.jobs"].__file__}))
         return
     from api_load import loadavg, write_results
     sides = {"this": REPO / "backend"} | ({"before": args.before.resolve()} if args.before else {})
-    results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "load": loadavg(),
+    if args.loop and not args.postgresql:
+        ap.error("--loop writes on PostgreSQL's asyncio connections: add --postgresql")
+    results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "loop": args.loop,
+                     "load": loadavg(),
                      "sides": {name: str(path) for name, path in sides.items()}}
     if args.callgrind:
         with tempfile.TemporaryDirectory() as tmp:

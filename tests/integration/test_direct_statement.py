@@ -134,3 +134,83 @@ def test_a_dead_connection_is_invalidated_and_the_pool_recovers(engine, pg_url: 
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
         assert _DIRECT.one(conn, _params("after")).name == "after"
         conn.commit()
+
+
+# -- on an asyncio driver connection, without a SQLAlchemy connection (LoopStatements) ----------
+def _on_loop(pg_url: str, scenario):  # noqa: ANN001, ANN202
+    """``scenario(statements)`` on a fresh event loop, with a loop engine's LoopStatements (closed after)."""
+    import asyncio
+
+    from hai.db.session import LoopStatements, make_loop_engine
+
+    async def run():  # noqa: ANN202
+        engine = make_loop_engine(pg_url)
+        statements = LoopStatements(engine)
+        try:
+            return await scenario(statements)
+        finally:
+            await statements.close()
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def test_first_on_gives_the_row_sqlalchemy_gives_in_autocommit(engine, pg_url: str) -> None:  # noqa: ANN001
+    async def scenario(statements):  # noqa: ANN001, ANN202
+        row = await statements.first(_DIRECT, _params("loop"))
+        seen = await statements.first(_DIRECT_SEEN, {"name": "loop", "after": 0})
+        nobody = await statements.first(_DIRECT_SEEN, {"name": "nobody", "after": 0})
+        return row, seen, nobody, statements._held.driver_connection.autocommit
+
+    row, seen, nobody, autocommit = _on_loop(pg_url, scenario)
+    with engine.connect() as conn:
+        through = conn.execute(select(_things).where(_things.c.name == "loop")).one()  # committed by itself
+    assert autocommit and nobody is None
+    assert row._fields == tuple(through._fields) and tuple(row) == tuple(through)
+    assert row.at == datetime(2026, 12, 5, 7, 30, tzinfo=timezone.utc) and row.at.tzinfo == timezone.utc
+    assert row.doc == {"command": ["sleep", "1"], "n": 2}
+    assert (seen.id, seen.at) == (row.id, row.at)
+
+
+def test_first_on_raises_driver_errors_as_sqlalchemy_and_keeps_a_live_connection(engine, pg_url: str) -> None:  # noqa: ANN001
+    async def scenario(statements):  # noqa: ANN001, ANN202
+        await statements.first(_DIRECT, _params("same"))
+        with pytest.raises(IntegrityError) as failed:
+            await statements.first(_DIRECT, _params("same"))
+        assert not failed.value.connection_invalidated
+        assert statements._held is not None  # not a disconnect: the connection is kept
+        return (await statements.first(_DIRECT, _params("other"))).name, statements.connects
+
+    assert _on_loop(pg_url, scenario) == ("other", 1)
+
+
+def test_a_statement_connection_lost_mid_use_is_a_disconnect_and_replaced(engine, pg_url: str) -> None:  # noqa: ANN001
+    """The server gone while the connection is busy (not idle long enough to be pinged): the
+    statement fails as a disconnect (the API's 503), the connection is dropped, the next
+    statement gets a new one."""
+    from tests.integration.test_pool_ping import _terminate
+
+    async def scenario(statements):  # noqa: ANN001, ANN202
+        first = await statements.first(_DIRECT, _params("before"))
+        _terminate(pg_url, statements._held.driver_connection.info.backend_pid)
+        with pytest.raises(OperationalError) as failed:
+            await statements.first(_DIRECT, _params("lost"))
+        assert failed.value.connection_invalidated and statements._held is None
+        after = await statements.first(_DIRECT, _params("after"))
+        return first.name, after.name, statements.connects
+
+    assert _on_loop(pg_url, scenario) == ("before", "after", 2)
+    with engine.connect() as conn:
+        assert sorted(conn.scalars(select(_things.c.name))) == ["after", "before"]
+
+
+def test_an_idle_dead_statement_connection_is_pinged_and_replaced(engine, pg_url: str, monkeypatch) -> None:  # noqa: ANN001
+    from tests.integration.test_pool_ping import _terminate
+
+    async def scenario(statements):  # noqa: ANN001, ANN202
+        await statements.first(_DIRECT, _params("before"))
+        _terminate(pg_url, statements._held.driver_connection.info.backend_pid)
+        monkeypatch.setattr(db_session, "PING_AFTER_IDLE_S", 0.0)  # (as after an idle second)
+        return (await statements.first(_DIRECT, _params("after"))).name, statements.connects
+
+    assert _on_loop(pg_url, scenario) == ("after", 2)  # no error: the ping found it dead first

@@ -233,7 +233,10 @@ def test_a_writer_left_on_a_closed_event_loop_does_not_hold_the_next_loops_submi
     old.close()
 
     async def one() -> submissions.Submitted:
-        return await asyncio.wait_for(groups.submit(api.platform, (_spec("next"), _user(api, api.alice), None)), 30)
+        try:
+            return await asyncio.wait_for(groups.submit(api.platform, (_spec("next"), _user(api, api.alice), None)), 30)
+        finally:
+            await api.platform.close_loop()  # (as the app's shutdown: this loop's connections closed)
 
     done = asyncio.run(one())
     assert (done.job.name, done.replayed, groups.groups) == ("next", False, 1)
@@ -264,7 +267,10 @@ def test_a_request_gone_while_its_submission_waits_is_not_written(api, monkeypat
         assert len(groups._waiting) == 2
         gone.cancel()
         release.set()
-        return await asyncio.gather(first, kept)
+        try:
+            return await asyncio.gather(first, kept)
+        finally:
+            await api.platform.close_loop()
 
     done = asyncio.run(scenario())
     assert [d.job.name for d in done] == ["first", "kept"]
@@ -274,8 +280,9 @@ def test_a_request_gone_while_its_submission_waits_is_not_written(api, monkeypat
 
 
 def _where_written(monkeypatch) -> list[str]:  # noqa: ANN001
-    """Records, for each group written, whether it ran on an event loop or in a worker thread."""
-    real, where = submissions.submit_group, []
+    """Records, for each group written, whether it ran on an event loop or in a worker thread
+    (``submit_group``), or as one statement on the loop without a Session (``submit_alone_on``)."""
+    real, real_alone, where = submissions.submit_group, submissions.submit_alone_on, []
 
     def recording(**kw):  # noqa: ANN003, ANN202
         try:
@@ -285,7 +292,13 @@ def _where_written(monkeypatch) -> list[str]:  # noqa: ANN001
             where.append("worker thread")
         return real(**kw)
 
+    async def recording_alone(statements, **kw):  # noqa: ANN001, ANN003, ANN202
+        asyncio.get_running_loop()  # (raises off a loop)
+        where.append("event loop, one statement")
+        return await real_alone(statements, **kw)
+
     monkeypatch.setattr(submissions, "submit_group", recording)
+    monkeypatch.setattr(submissions, "submit_alone_on", recording_alone)
     return where
 
 
@@ -300,13 +313,14 @@ def _submit_early(api: Api, body: dict) -> httpx.Response:
 
 def test_on_postgresql_a_group_is_written_on_the_event_loop_elsewhere_in_a_worker_thread(api, monkeypatch):
     """PostgreSQL (``db.submit_on_loop``, the default): the group writer runs the submission on the
-    event loop through the loop's asyncio connections, no worker thread; the same answer and rows
-    as the thread gives. SQLite, or the setting off: a worker thread."""
+    event loop through the loop's asyncio connections, no worker thread (a group of one: its one
+    statement on the loop's statement connection, no Session); the same answer and rows as the
+    thread gives. SQLite, or the setting off: a worker thread."""
     where = _where_written(monkeypatch)
     on_pg = api.platform.engine.dialect.name == "postgresql"
     r = _submit_early(api, {"name": "first", "command": ["true"], "gpus_per_node": 2})
     assert r.status_code == 201 and r.json()["name"] == "first" and r.json()["gpus_per_node"] == 2
-    assert where == ["event loop" if on_pg else "worker thread"]
+    assert where == ["event loop, one statement" if on_pg else "worker thread"]
     monkeypatch.setattr(api.platform.settings.db, "submit_on_loop", False)
     r2 = _submit_early(api, {"name": "second", "command": ["true"], "gpus_per_node": 2})
     assert r2.status_code == 201 and where[1:] == ["worker thread"]
@@ -344,18 +358,76 @@ def test_a_dead_idle_connection_of_the_loop_is_replaced(pg_url, tmp_path, monkey
             killed = conn.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                        "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar_one()
         assert killed >= 1
+        (_engine, _sessions, statements), = api.platform._loop_engines.values()
+        assert statements.connects == 1
         r = _submit_early(api, {"name": "after", "command": ["true"]})
         assert r.status_code == 201, r.text
+        assert statements.connects == 2  # the statement connection pinged, found dead, replaced
         with api.platform.sessions() as s:
             assert sorted(s.scalars(select(Job.name))) == ["after", "before"]
 
 
 def test_the_loops_connections_are_closed_when_the_app_stops(pg_url, tmp_path):
-    """The lifespan's end disposes the loop's engine: its connections are closed, not left to the
-    garbage collector."""
+    """The lifespan's end closes the loop's statement connection and disposes the loop's engine:
+    its connections are closed, not left to the garbage collector."""
     with api_with_two_nodes(pg_url, tmp_path) as api:
         assert _submit_early(api, {"name": "one", "command": ["true"]}).status_code == 201
-        (engine, _sessions), = api.platform._loop_engines.values()
-        assert engine.sync_engine.pool.checkedin() == 1  # the writer's connection, back in the pool
-    assert engine.sync_engine.pool.checkedin() == 0
+        (engine, _sessions, statements), = api.platform._loop_engines.values()
+        held = statements._held.driver_connection
+        # the statement connection, held by the loop (in autocommit), not in the pool
+        assert engine.sync_engine.pool.checkedout() == 1 and held.autocommit and not held.closed
+        _submit_early(api, {"name": "too-big", "command": ["true"], "nodes": 3})  # refused: through a Session
+        assert engine.sync_engine.pool.checkedin() == 1  # the Session's connection, back in the pool
+    assert held.closed
+    assert engine.sync_engine.pool.checkedin() == 0 and engine.sync_engine.pool.checkedout() == 0
     assert not api.platform._loop_engines
+
+
+def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_with_its_job(pg_url, tmp_path):
+    """A group of one on the loop's statement connection (no Session) meets a key that another
+    transaction wrote and has not committed: PostgreSQL holds the statement on the unique index,
+    the other commits, the statement fails (a real unique violation, raised as SQLAlchemy's
+    IntegrityError); the submission is then answered through a Session: the other's job, replayed."""
+    from sqlalchemy import text
+
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        alice = _user(api, api.alice)
+        spec = _spec("same")
+        other = api.platform.sessions()
+        other.connection()  # a transaction of its own
+        theirs = submissions._submit(session=other, spec=spec, user=alice, limits=LIMITS, idempotency_key="k",
+                                     commit=False)  # the job and its key written, not committed
+
+        async def scenario():  # noqa: ANN202
+            groups = EarlySubmissions(None, owner=None).grouped
+            mine = asyncio.ensure_future(groups.submit(api.platform, (spec, alice, "k")))
+            statements = None
+
+            def waiting_on_the_key() -> bool:
+                nonlocal statements
+                if not api.platform._loop_engines:
+                    return False
+                (_e, _s, statements), = api.platform._loop_engines.values()
+                held = statements._held
+                if held is None:
+                    return False
+                with api.platform.engine.connect() as conn:
+                    return conn.execute(text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                                        {"p": held.driver_connection.info.backend_pid}).scalar() is True
+
+            await _until(waiting_on_the_key, "the statement waiting on the other transaction's key")
+            other.commit()
+            try:
+                return await mine, statements.connects
+            finally:
+                await api.platform.close_loop()
+
+        try:
+            done, connects = asyncio.run(scenario())
+        finally:
+            other.close()
+        assert done.replayed and done.job.id == theirs.job.id and done.job.name == "same"
+        assert connects == 1  # an IntegrityError is no disconnect: the connection kept
+        with api.platform.sessions() as s:
+            assert s.scalar(select(func.count(Job.id))) == 1
+            assert s.scalar(select(func.count(IdempotencyKey.key))) == 1

@@ -121,9 +121,14 @@ class SubmissionGroups:
 
     @staticmethod
     async def _written(platform: Platform, items: list[submissions.Single]) -> list[submissions.Submitted | Exception]:
-        """One group written: on PostgreSQL on this loop (no worker thread), else in a worker thread."""
+        """One group written: on PostgreSQL on this loop (no worker thread; a group of one as one
+        statement on the loop's statement connection, no Session), else in a worker thread."""
         on_loop_sessions = platform.loop_sessions()
         if on_loop_sessions is not None:
+            if len(items) == 1:
+                return [await submissions.submit_alone_on(
+                    platform.loop_statements(), sessions=on_loop_sessions, item=items[0],
+                    limits=platform.settings.limits, notifier=platform.notifier)]
             return await on_loop(submissions.submit_group, sessions=on_loop_sessions, items=items,
                                  limits=platform.settings.limits)
         return await run_in_threadpool(submissions.submit_group, sessions=platform.sessions, items=items,

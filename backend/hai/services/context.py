@@ -10,7 +10,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.orm import Session, sessionmaker
 
-from hai.db.session import make_engine, make_loop_engine, make_session_factory, read_only
+from hai.db.session import LoopStatements, make_engine, make_loop_engine, make_session_factory, read_only
 from hai.services.nodes import NodeListCache
 from hai.services.notify import Notifier, make_notifier
 from hai.settings import Settings
@@ -27,7 +27,8 @@ class Platform:
     read_sessions: sessionmaker[Session] | None = None
     # GET /api/v1/nodes as this process last built it, while its revision is current (issue 12)
     node_list: NodeListCache = field(init=False)
-    # PostgreSQL: per event loop, an engine of asyncio connections and sessions on it (loop_sessions)
+    # PostgreSQL: per event loop, an engine of asyncio connections, sessions on it (loop_sessions)
+    # and one of its connections held for single statements (loop_statements)
     _loop_engines: weakref.WeakKeyDictionary = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,20 +55,32 @@ class Platform:
         connection serves the loop it was made on), made on first use; ``close_loop`` disposes it."""
         if not self.settings.db.submit_on_loop or self.engine.dialect.name != "postgresql":
             return None
+        return self._loop_entry()[1]
+
+    def loop_statements(self) -> LoopStatements | None:
+        """Where ``loop_sessions`` are: the running loop's connection held for single statements
+        in autocommit (``hai.db.session.LoopStatements``: a submission without a Session), else None."""
+        if not self.settings.db.submit_on_loop or self.engine.dialect.name != "postgresql":
+            return None
+        return self._loop_entry()[2]
+
+    def _loop_entry(self) -> tuple[AsyncEngine, sessionmaker[Session], LoopStatements]:
         loop = asyncio.get_running_loop()
         entry = self._loop_engines.get(loop)
         if entry is None:
             engine = make_loop_engine(self.settings.database_url, echo=self.settings.db.echo)
             sessions = make_session_factory(engine.sync_engine)
             _publish_on_commit(sessions, self.notifier)
-            self._loop_engines[loop] = entry = (engine, sessions)
-        return entry[1]
+            self._loop_engines[loop] = entry = (engine, sessions, LoopStatements(engine))
+        return entry
 
     async def close_loop(self) -> None:
-        """Dispose the running loop's engine of ``loop_sessions`` (its connections closed), if any."""
+        """Close the running loop's statement connection and dispose its engine of
+        ``loop_sessions`` (its connections closed), if any."""
         entry = self._loop_engines.pop(asyncio.get_running_loop(), None)
         if entry is not None:
-            engine: AsyncEngine = entry[0]
+            engine, _sessions, statements = entry
+            await statements.close()
             await engine.dispose()
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.direct import DirectStatement
+from hai.db.session import LoopStatements
 from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, NodeSize
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
@@ -293,13 +294,7 @@ def submit_admitted(
     # look-up and its last-used write) commits them together
     options = {} if session.in_transaction() else {"isolation_level": "AUTOCOMMIT"}
     conn = session.connection(execution_options=options)
-    now = utcnow()
-    params = _job_values(spec, user, now)
-    params.update(_defaulted_values())
-    params.update(multi_node=spec.nodes > 1, limit=limit)
-    if idempotency is not None:
-        params["key"], params["request_hash"] = idempotency
-    row = _DIRECT[idempotency is not None].one(conn, params)
+    row = _DIRECT[idempotency is not None].one(conn, _one_statement_params(spec, user, limit, idempotency))
     if row.id is None:  # nothing was written
         if commit:
             session.rollback()
@@ -311,6 +306,31 @@ def submit_admitted(
     if commit:
         session.commit()
     return row
+
+
+def _one_statement_params(spec: JobCreate, user: Principal, limit: int, idempotency: tuple[str, str] | None) -> dict:
+    params = _job_values(spec, user, utcnow())
+    params.update(_defaulted_values())
+    params.update(multi_node=spec.nodes > 1, limit=limit)
+    if idempotency is not None:
+        params["key"], params["request_hash"] = idempotency
+    return params
+
+
+async def submit_admitted_on(
+    statements: LoopStatements, *, spec: JobCreate, user: Principal, limit: int,
+    idempotency: tuple[str, str] | None = None,
+) -> Row | None:
+    """PostgreSQL, on the event loop: ``submit_admitted``'s one statement run on ``statements``'
+    connection (autocommit: it commits itself), no Session. The job's row when it was written;
+    None when it was not (refused, or the key seen before): nothing was written, and the caller
+    answers as ``submit_admitted`` would (api/jobs.SubmissionGroups: through it). A key committed
+    by a concurrent request in between raises IntegrityError, as there. The scheduler's wake-up is
+    the caller's to publish."""
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+    row = await statements.first(_DIRECT[idempotency is not None], _one_statement_params(spec, user, limit, idempotency))
+    return row if row is not None and row.id is not None else None
 
 
 def submit_job(

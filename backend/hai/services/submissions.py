@@ -15,12 +15,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from hai.db.models import Job
+from hai.db.session import LoopStatements, on_loop
 from hai.schemas.jobs import JobBatchCreate, JobCreate, JobRead
 from hai.services import jobs as job_service
+from hai.services import notify
 from hai.services.auth import Principal
 from hai.services.errors import Forbidden, Invalid, TooMany
 from hai.services.faults import crash_point
 from hai.services.job_views import job_read, job_reads, submitted_read
+from hai.services.notify import Notifier
 from hai.settings import LimitsSettings
 
 
@@ -132,6 +135,32 @@ def _alone(sessions: Callable[[], Session], item: Single, limits: LimitsSettings
             return submit(session=session, spec=spec, user=user, limits=limits, idempotency_key=key)
     except Exception as exc:  # noqa: BLE001 - this submission's answer (a refusal, the database away)
         return exc
+
+
+async def submit_alone_on(
+    statements: LoopStatements, *, sessions: Callable[[], Session], item: Single, limits: LimitsSettings,
+    notifier: Notifier,
+) -> Submitted | Exception:
+    """PostgreSQL, on the event loop (api/jobs.SubmissionGroups, a group of one): the submission's
+    one statement on ``statements``' connection, without a Session (``jobs.submit_admitted_on``);
+    a job written is answered from its row and wakes the scheduler. What it did not write (a
+    refusal, a key's replay, a key committed meanwhile) is answered by ``submit_group`` on
+    ``sessions`` (on this loop, ``hai.db.session.on_loop``), as before: its checks run again and
+    say why, or write the job if it fits now. Returns what ``submit_group`` returns for it."""
+    spec, user, key = item
+    try:
+        row = await job_service.submit_admitted_on(
+            statements, spec=spec, user=user, limit=limits.max_queued_jobs_per_user,
+            idempotency=(key, request_hash(spec)) if key is not None else None)
+    except IntegrityError:  # the same key committed by a concurrent request in between
+        row = None
+    except Exception as exc:  # noqa: BLE001 - this submission's answer (a refusal, the database away)
+        return exc
+    if row is None:
+        return (await on_loop(submit_group, sessions=sessions, items=[item], limits=limits))[0]
+    notifier.publish(notify.SCHEDULER)
+    crash_point("after_submit_commit")
+    return Submitted(job=submitted_read(row), replayed=False)
 
 
 @dataclass(frozen=True)
