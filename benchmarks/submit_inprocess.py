@@ -17,6 +17,7 @@ many, the difference divided by the extra jobs: start-up cancels out).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
@@ -67,39 +68,29 @@ def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False) -> float:
 
         from hai.api.jobs import SubmissionGroups
 
-        async def on_loop() -> float:
-            for i in range(50):  # warm: compiled statements, connections
-                await SubmissionGroups._written(platform, [(spec, alice, f"w{i}" if key else None)])
-            spent = 0.0
-            for i in range(jobs):
-                if i % 256 == 0:
-                    with platform.sessions() as s:
-                        queued_counts.fold(s)
-                t = time.process_time()
-                out = await SubmissionGroups._written(platform, [(spec, alice, f"k{i}" if key else None)])
-                spent += time.process_time() - t
-                if isinstance(out[0], Exception):
-                    raise out[0]
-            await platform.close_loop()
-            return spent
+        async def write(k: str | None) -> list:
+            return await SubmissionGroups._written(platform, [(spec, alice, k)])
+    else:
+        async def write(k: str | None) -> list:  # (no await inside: the call as the worker thread makes it)
+            return submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, k)], limits=limits)
 
-        spent = uvloop.run(on_loop())
-        platform.close()
-        return spent / jobs * 1e3
-    for i in range(50):  # warm: compiled statements, pool
-        submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, f"w{i}" if key else None)],
-                                 limits=limits)
-    spent = 0.0
-    for i in range(jobs):
-        if i % 256 == 0:
-            with platform.sessions() as s:
-                queued_counts.fold(s)
-        t = time.process_time()
-        out = submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, f"k{i}" if key else None)],
-                                       limits=limits)
-        spent += time.process_time() - t
-        if isinstance(out[0], Exception):
-            raise out[0]
+    async def measured() -> float:
+        for i in range(50):  # warm: compiled statements, connections
+            await write(f"w{i}" if key else None)
+        spent = 0.0
+        for i in range(jobs):
+            if i % 256 == 0:
+                with platform.sessions() as s:
+                    queued_counts.fold(s)
+            t = time.process_time()
+            out = await write(f"k{i}" if key else None)
+            spent += time.process_time() - t
+            if isinstance(out[0], Exception):
+                raise out[0]
+        await platform.close_loop()
+        return spent
+
+    spent = uvloop.run(measured()) if loop else asyncio.run(measured())
     platform.close()
     return spent / jobs * 1e3
 
