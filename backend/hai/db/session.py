@@ -223,7 +223,7 @@ class LoopStatements:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.dialect = engine.sync_engine.dialect
-        self._held = None  # the pool's connection record, checked out for good
+        self._held = None  # a connection checked out of the engine's pool for good (its proxy)
         self._used = 0.0  # time.monotonic() of its last statement
         self._lock: asyncio.Lock | None = None  # made on the loop that first uses it
         self.connects = 0  # connections taken from the pool (tests: a dead one was replaced)

@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
 from hai.db.direct import DirectStatement
-from hai.db.session import LoopStatements
 from hai.db.models import IdempotencyKey, Job, JobAllocation, JobEvent, NodeSize
+from hai.db.session import LoopStatements
 from hai.domain.jobs import IllegalTransition, JobState, check_transition
 from hai.protocol import DesiredAction
 from hai.schemas.jobs import JobCreate
