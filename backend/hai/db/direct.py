@@ -19,7 +19,8 @@ work was 29% of a submission's instructions in process (benchmarks/submit_inproc
 
 ``first_on`` runs the statement on an asyncio driver connection outside any SQLAlchemy connection
 (``hai.db.session.LoopStatements``: a PostgreSQL submission written on the event loop without a
-Session, its pool checkout and greenlet hops; ~0.44 -> ~0.29 ms of CPU in process); a driver error
+Session, its pool checkout and greenlet hops; 0.49 -> 0.28 ms of CPU in process,
+benchmarks/submit_inprocess.py --postgresql --loop); a driver error
 is raised as SQLAlchemy's exception (``DBAPIError.instance``), ``connection_invalidated`` where
 the dialect calls it a disconnect."""
 
