@@ -53,18 +53,20 @@ class Platform:
         written without a worker thread): PostgreSQL with ``db.submit_on_loop``, else None (the
         caller uses ``sessions`` in a worker thread). Each loop has its own engine (an asyncio
         connection serves the loop it was made on), made on first use; ``close_loop`` disposes it."""
-        if not self.settings.db.submit_on_loop or self.engine.dialect.name != "postgresql":
-            return None
-        return self._loop_entry()[1]
+        entry = self._loop_entry()
+        return entry[1] if entry is not None else None
 
     def loop_statements(self) -> LoopStatements | None:
         """Where ``loop_sessions`` are: the running loop's connection held for single statements
         in autocommit (``hai.db.session.LoopStatements``: a submission without a Session), else None."""
+        entry = self._loop_entry()
+        return entry[2] if entry is not None else None
+
+    def _loop_entry(self) -> tuple[AsyncEngine, sessionmaker[Session], LoopStatements] | None:
+        """The running loop's (engine, sessions, statements), made on first use; None unless
+        PostgreSQL with ``db.submit_on_loop``."""
         if not self.settings.db.submit_on_loop or self.engine.dialect.name != "postgresql":
             return None
-        return self._loop_entry()[2]
-
-    def _loop_entry(self) -> tuple[AsyncEngine, sessionmaker[Session], LoopStatements]:
         loop = asyncio.get_running_loop()
         entry = self._loop_engines.get(loop)
         if entry is None:

@@ -39,6 +39,12 @@ def request_hash(spec: JobCreate) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
+def _with_hash(spec: JobCreate, key: str | None) -> tuple[str, str] | None:
+    """(key, the body's hash) for a submission with an Idempotency-Key, else None: the normalised
+    body's hash only matters with a key (a JSON dump and a SHA-256 otherwise wasted)."""
+    return (key, request_hash(spec)) if key is not None else None
+
+
 def _replayed(session: Session, *, seen: job_service.KeySeen, digest: str) -> Submitted:
     """The key was used before: its job if the body is the same, else 422 (nothing written)."""
     if seen.request_hash != digest:
@@ -65,9 +71,8 @@ def _submit(
     back here (a refusal writes nothing of this job), an IntegrityError raised on."""
     if user.kind != "user" or user.user_id is None:
         raise Forbidden("only users can submit jobs")
-    # the normalised body's hash only matters with a key (a JSON dump and a SHA-256 otherwise wasted)
-    digest = request_hash(spec) if idempotency_key is not None else ""
-    idem = (idempotency_key, digest) if idempotency_key is not None else None
+    idem = _with_hash(spec, idempotency_key)
+    digest = idem[1] if idem is not None else ""
     try:
         # the key's earlier use, the cluster fit (422) and the user's queued-jobs limit (429), then
         # the job, its event and its key, committed: one statement on PostgreSQL (issue 12)
@@ -151,7 +156,7 @@ async def submit_alone_on(
     try:
         row = await job_service.submit_admitted_on(
             statements, spec=spec, user=user, limit=limits.max_queued_jobs_per_user,
-            idempotency=(key, request_hash(spec)) if key is not None else None)
+            idempotency=_with_hash(spec, key))
     except IntegrityError:  # the same key committed by a concurrent request in between
         row = None
     except Exception as exc:  # noqa: BLE001 - this submission's answer (a refusal, the database away)
