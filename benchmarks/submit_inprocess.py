@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False) -> float:
-    """CPU milliseconds a submission, measured in this process."""
+def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False, group: int = 1) -> float:
+    """CPU milliseconds a submission, measured in this process (``group`` submissions a call)."""
     # ``hai`` first, from the backend PYTHONPATH names: api_load puts this checkout's backend first
     # on sys.path, but a submodule is found through its imported package's own path
     import hai  # noqa: F401
@@ -69,30 +69,36 @@ def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False) -> float:
         from hai.api.jobs import SubmissionGroups
 
         async def write(k: str | None) -> list:
-            return await SubmissionGroups._written(platform, [(spec, alice, k)])
+            return await SubmissionGroups._written(
+                platform, [(spec, alice, None if k is None else f"{k}-{g}") for g in range(group)])
     else:
         async def write(k: str | None) -> list:  # (no await inside: the call as the worker thread makes it)
-            return submissions.submit_group(sessions=platform.sessions, items=[(spec, alice, k)], limits=limits)
+            return submissions.submit_group(
+                sessions=platform.sessions, items=[(spec, alice, None if k is None else f"{k}-{g}") for g in range(group)],
+                limits=limits)
 
     async def measured() -> float:
         for i in range(50):  # warm: compiled statements, connections
             await write(f"w{i}" if key else None)
         spent = 0.0
-        for i in range(jobs):
-            if i % 256 == 0:
+        calls = max(1, jobs // group)
+        for i in range(calls):
+            if i % max(1, 256 // group) == 0:
                 with platform.sessions() as s:
                     queued_counts.fold(s)
             t = time.process_time()
             out = await write(f"k{i}" if key else None)
             spent += time.process_time() - t
-            if isinstance(out[0], Exception):
-                raise out[0]
+            for answer in out:
+                if isinstance(answer, Exception):
+                    raise answer
+                assert not answer.replayed
         await platform.close_loop()
-        return spent
+        return spent / (calls * group)
 
     spent = uvloop.run(measured()) if loop else asyncio.run(measured())
     platform.close()
-    return spent / jobs * 1e3
+    return spent * 1e3
 
 
 def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path | None = None) -> tuple[dict, str]:
@@ -100,7 +106,7 @@ def run_side(backend: Path, args: argparse.Namespace, jobs: int, callgrind: Path
     its standard error (valgrind's summary)."""
     env = dict(os.environ, PYTHONPATH=str(backend))
     cmd = [sys.executable, __file__, "--worker", "--jobs", str(jobs)] + (["--postgresql"] if args.postgresql else []) \
-        + (["--key"] if args.key else []) + (["--loop"] if args.loop else [])
+        + (["--key"] if args.key else []) + (["--loop"] if args.loop else []) + ["--group", str(args.group)]
     if callgrind is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}"] + cmd
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -118,20 +124,23 @@ def main() -> None:
     ap.add_argument("--loop", action="store_true", help=(
         "with --postgresql: the API writer's call for one request in flight (SubmissionGroups._written) on "
         "an event loop, as `hai server` writes a submission"))
+    ap.add_argument("--group", type=int, default=1, help=(
+        "submissions the writer gets at once (SubmissionGroups: those that arrive while a group is written, "
+        "as with 8 in flight); the figure is per submission"))
     ap.add_argument("--before", type=Path, help="another checkout's backend directory, measured alternately")
     ap.add_argument("--callgrind", action="store_true", help="instructions a submission (valgrind), not CPU time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "submit_inprocess.json")
     args = ap.parse_args()
     if args.worker:
-        cpu_ms = worker(args.jobs, args.postgresql, args.key, args.loop)
+        cpu_ms = worker(args.jobs, args.postgresql, args.key, args.loop, args.group)
         print(json.dumps({"cpu_ms": cpu_ms, "measured": sys.modules["hai.services.jobs"].__file__}))
         return
     from api_load import loadavg, write_results
     sides = {"this": REPO / "backend"} | ({"before": args.before.resolve()} if args.before else {})
     if args.loop and not args.postgresql:
         ap.error("--loop writes on PostgreSQL's asyncio connections: add --postgresql")
-    results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "loop": args.loop,
+    results: dict = {"jobs": args.jobs, "postgresql": args.postgresql, "key": args.key, "loop": args.loop, "group": args.group,
                      "load": loadavg(),
                      "sides": {name: str(path) for name, path in sides.items()}}
     if args.callgrind:

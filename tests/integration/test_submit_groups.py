@@ -297,8 +297,16 @@ def _where_written(monkeypatch) -> list[str]:  # noqa: ANN001
         where.append("event loop, one statement")
         return await real_alone(statements, **kw)
 
+    real_group_on = submissions.submit_group_on
+
+    async def recording_group_on(statements, **kw):  # noqa: ANN001, ANN003, ANN202
+        asyncio.get_running_loop()
+        where.append(f"event loop, one transaction of {len(kw['items'])}")
+        return await real_group_on(statements, **kw)
+
     monkeypatch.setattr(submissions, "submit_group", recording)
     monkeypatch.setattr(submissions, "submit_alone_on", recording_alone)
+    monkeypatch.setattr(submissions, "submit_group_on", recording_group_on)
     return where
 
 
@@ -431,3 +439,147 @@ def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_wit
         with api.platform.sessions() as s:
             assert s.scalar(select(func.count(Job.id))) == 1
             assert s.scalar(select(func.count(IdempotencyKey.key))) == 1
+
+
+def _written_on_the_loop(api: Api, items: list[submissions.Single]) -> tuple[list, int]:
+    """``SubmissionGroups._written`` of ``items`` as one group on a fresh event loop (as the API's
+    writer calls it for that many requests in flight): the answers, and the connections the loop's
+    statement connection took."""
+    from hai.api.jobs import SubmissionGroups
+
+    async def scenario():  # noqa: ANN202
+        try:
+            out = await SubmissionGroups._written(api.platform, items)
+            (_e, _s, statements), = api.platform._loop_engines.values()
+            return out, statements.connects
+        finally:
+            await api.platform.close_loop()
+
+    return asyncio.run(scenario())
+
+
+def test_on_postgresql_a_group_is_one_pipelined_transaction_without_a_session_answered_as_alone(pg_url, tmp_path,
+                                                                                                 monkeypatch):
+    """PostgreSQL: a group of several written on the loop's statement connection, no Session: the
+    same answers, rows and keys as each submission alone, one after another (refusals and replays,
+    which depend on those before them in the group, answered through a Session after the group's
+    commit), and every job the group wrote in one transaction."""
+    from sqlalchemy import text
+
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        monkeypatch.setattr(api.platform.settings, "limits", LIMITS)
+        items = _items(api)
+        alone = []
+        for spec, user, key in items:
+            with api.platform.sessions() as s:
+                try:
+                    alone.append(submissions.submit(session=s, spec=spec, user=user, limits=LIMITS,
+                                                    idempotency_key=key))
+                except (Invalid, TooMany) as exc:
+                    alone.append(exc)
+        stored_alone = _stored(api)
+        _clear(api)
+
+        where = _where_written(monkeypatch)
+        grouped, connects = _written_on_the_loop(api, items)
+
+        assert _answers(grouped) == _answers(alone)
+        assert grouped[3].job.id == grouped[2].job.id  # k1's replay: the job written earlier in the group
+        assert f"used with another request body (job {grouped[2].job.id})" in str(grouped[4])
+        assert _stored(api) == stored_alone
+        # the group's statements, then the five not written (422, 200, 422, 429, 429) each through a Session
+        assert where == ["event loop, one transaction of 10"] + ["event loop"] * 5
+        assert connects == 1
+        with api.platform.engine.connect() as conn:  # the five jobs written by one transaction
+            assert conn.execute(text("SELECT count(DISTINCT xmin::text) FROM jobs")).scalar_one() == 1
+            assert conn.execute(text("SELECT count(*) FROM jobs")).scalar_one() == 5
+
+
+def test_on_postgresql_a_key_committed_while_a_group_waits_rolls_it_back_and_sends_each_alone(pg_url, tmp_path):
+    """A group on the loop's statement connection meets a key another transaction wrote and has
+    not committed: its statement waits on the unique index; the other commits; the unique
+    violation rolls the whole group back (none of it written twice), and each is then submitted
+    alone: the key's submission answered with the other's job, the rest written. The connection
+    is kept (an IntegrityError is no disconnect)."""
+    from sqlalchemy import text
+
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        alice = _user(api, api.alice)
+        other = api.platform.sessions()
+        other.connection()
+        theirs = submissions._submit(session=other, spec=_spec("same"), user=alice, limits=LIMITS,
+                                     idempotency_key="k", commit=False)
+        items = [(_spec("before"), alice, None), (_spec("same"), alice, "k"), (_spec("after"), alice, None)]
+
+        async def scenario():  # noqa: ANN202
+            from hai.api.jobs import SubmissionGroups
+
+            mine = asyncio.ensure_future(SubmissionGroups._written(api.platform, items))
+
+            def waiting_on_the_key() -> bool:
+                if not api.platform._loop_engines:
+                    return False
+                (_e, _s, statements), = api.platform._loop_engines.values()
+                if statements._held is None:
+                    return False
+                with api.platform.engine.connect() as conn:
+                    return conn.execute(text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                                        {"p": statements._held.driver_connection.info.backend_pid}).scalar() is True
+
+            await _until(waiting_on_the_key, "the group's statement waiting on the other transaction's key")
+            other.commit()
+            try:
+                out = await mine
+                (_e, _s, statements), = api.platform._loop_engines.values()
+                return out, statements.connects
+            finally:
+                await api.platform.close_loop()
+
+        try:
+            out, connects = asyncio.run(scenario())
+        finally:
+            other.close()
+        assert [(o.job.name, o.replayed) for o in out] == [("before", False), ("same", True), ("after", False)]
+        assert out[1].job.id == theirs.job.id
+        assert connects == 1
+        with api.platform.sessions() as s:
+            assert sorted(s.scalars(select(Job.name))) == ["after", "before", "same"]
+            assert s.scalar(select(func.count(JobEvent.id))) == 3
+
+
+def test_on_postgresql_a_group_whose_connection_dies_writes_none_of_it_and_the_next_reconnects(pg_url, tmp_path):
+    """The loop's statement connection killed by the server before a group is sent (and not yet
+    idle long enough to be pinged): the group fails as a whole with the disconnect (the API answers
+    503), nothing of it written; the connection is dropped, and the next group takes another."""
+    from sqlalchemy import text
+
+    with api_with_two_nodes(pg_url, tmp_path) as api:
+        alice = _user(api, api.alice)
+
+        async def scenario():  # noqa: ANN202
+            from hai.api.jobs import SubmissionGroups
+
+            try:
+                first = await SubmissionGroups._written(api.platform, [(_spec("one"), alice, None),
+                                                                       (_spec("two"), alice, None)])
+                (_e, _s, statements), = api.platform._loop_engines.values()
+                with api.platform.engine.connect() as conn:
+                    conn.execute(text("SELECT pg_terminate_backend(:p)"),
+                                 {"p": statements._held.driver_connection.info.backend_pid})
+                lost = await SubmissionGroups._written(api.platform, [(_spec("lost1"), alice, None),
+                                                                      (_spec("lost2"), alice, None)])
+                dropped = statements._held is None
+                again = await SubmissionGroups._written(api.platform, [(_spec("three"), alice, None),
+                                                                       (_spec("four"), alice, None)])
+                return first, lost, dropped, again, statements.connects
+            finally:
+                await api.platform.close_loop()
+
+        first, lost, dropped, again, connects = asyncio.run(scenario())
+        assert [o.job.name for o in first] == ["one", "two"]
+        assert all(isinstance(o, OperationalError) and o.connection_invalidated for o in lost)
+        assert dropped
+        assert [o.job.name for o in again] == ["three", "four"]
+        assert connects == 2
+        with api.platform.sessions() as s:
+            assert sorted(s.scalars(select(Job.name))) == ["four", "one", "three", "two"]

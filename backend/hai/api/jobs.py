@@ -13,7 +13,6 @@ from starlette.concurrency import run_in_threadpool
 
 from hai.api.deps import BearerCredentials, CurrentUser, PlatformDep, SessionDep, user_in_thread
 from hai.api.early import EarlyAnswer
-from hai.db.session import on_loop
 from hai.domain.jobs import JobState
 from hai.schemas.jobs import JobBatchCreate, JobBatchRead, JobCreate, JobList, JobRead
 from hai.services import jobs as job_service
@@ -129,8 +128,9 @@ class SubmissionGroups:
                 return [await submissions.submit_alone_on(
                     platform.loop_statements(), sessions=on_loop_sessions, item=items[0],
                     limits=platform.settings.limits, notifier=platform.notifier)]
-            return await on_loop(submissions.submit_group, sessions=on_loop_sessions, items=items,
-                                 limits=platform.settings.limits)
+            return await submissions.submit_group_on(
+                platform.loop_statements(), sessions=on_loop_sessions, items=items,
+                limits=platform.settings.limits, notifier=platform.notifier)
         return await run_in_threadpool(submissions.submit_group, sessions=platform.sessions, items=items,
                                        limits=platform.settings.limits)
 

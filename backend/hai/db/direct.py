@@ -126,6 +126,34 @@ class DirectStatement:
         return self._row(raw, shape)
 
     @staticmethod
+    async def firsts_in_transaction_on(dialect, driver_connection, runs: list[tuple[DirectStatement, dict]]) -> list:  # noqa: ANN001
+        """Each ``(statement, params)`` of ``runs`` in order on ``driver_connection`` (as
+        ``first_on``), all in one transaction, pipelined (psycopg's pipeline mode: BEGIN, the
+        statements and COMMIT sent together, their results read after): the first row of each, or
+        None. A statement that fails rolls the transaction back (nothing of ``runs`` is written);
+        its driver error is raised as SQLAlchemy raises it, as ``first_on`` raises it."""
+        sent = [(statement, *statement._values(dialect, params)) for statement, params in runs]
+        cursors = [driver_connection.cursor() for _ in sent]
+        sql, values = (sent[0][1], sent[0][2]) if sent else ("", None)
+        try:
+            async with driver_connection.pipeline():
+                async with driver_connection.transaction():
+                    for (_, sql, values), cursor in zip(sent, cursors):
+                        await cursor.execute(sql, values)
+                rows = []
+                for (statement, sql, values), cursor in zip(sent, cursors):
+                    raw = await cursor.fetchone()
+                    rows.append(statement._row(raw, statement._row_type(dialect, cursor) if raw is not None else None))
+        except dialect.loaded_dbapi.Error as exc:
+            lost = dialect.is_disconnect(exc, driver_connection, None)
+            raise DBAPIError.instance(sql, values, exc, dialect.loaded_dbapi.Error, dialect=dialect,
+                                      connection_invalidated=lost) from exc
+        finally:
+            for cursor in cursors:
+                await cursor.close()
+        return rows
+
+    @staticmethod
     def _row(raw, shape) -> Any:  # noqa: ANN001, ANN401
         if raw is None:
             return None

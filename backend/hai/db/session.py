@@ -14,6 +14,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import greenlet_spawn
 
+from hai.db.direct import DirectStatement
+
 log = logging.getLogger(__name__)
 
 
@@ -253,14 +255,24 @@ class LoopStatements:
 
     async def first(self, statement, params: dict):  # noqa: ANN001, ANN201
         """``statement`` (a ``DirectStatement``) run on the held connection: its first row, or None."""
+        return await self._on_held(lambda conn: statement.first_on(self.dialect, conn, params))
+
+    async def firsts_in_transaction(self, runs: list) -> list:
+        """Each (``DirectStatement``, params) of ``runs`` in order on the held connection, in one
+        transaction, pipelined (``DirectStatement.firsts_in_transaction_on``): the first row of
+        each, or None; a failure rolls all of them back."""
+        return await self._on_held(lambda conn: DirectStatement.firsts_in_transaction_on(self.dialect, conn, runs))
+
+    async def _on_held(self, work):  # noqa: ANN001, ANN202
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             conn = await self._connection()
             try:
-                return await statement.first_on(self.dialect, conn, params)
+                return await work(conn)
             except DBAPIError as exc:
-                if exc.connection_invalidated:
+                # a disconnect, or a connection left inside a transaction: not used again
+                if exc.connection_invalidated or conn.info.transaction_status.name != "IDLE":
                     await self._drop()
                 raise
             except BaseException:  # (cancelled mid-statement) the connection's state is unknown

@@ -333,6 +333,23 @@ async def submit_admitted_on(
     return row if row is not None and row.id is not None else None
 
 
+async def submit_admitted_group_on(
+    statements: LoopStatements, submissions: list[tuple[JobCreate, Principal, tuple[str, str] | None]], *, limit: int,
+) -> list[Row | None]:
+    """PostgreSQL, on the event loop: ``submit_admitted_on`` for each (spec, user, idempotency) of
+    ``submissions`` in order, all in one transaction (pipelined: one round trip for the group,
+    ``LoopStatements.firsts_in_transaction``), each statement seeing the jobs and keys of those
+    before it. For each, the job's row when it was written, None when it was not (refused or the
+    key seen before: the caller answers it as ``submit_admitted_on``'s caller does). A failure
+    (a key committed by a concurrent request in between: IntegrityError) writes none of them."""
+    for _, user, _ in submissions:
+        if user.kind != "user" or user.user_id is None:
+            raise Forbidden("only users can submit jobs")
+    rows = await statements.firsts_in_transaction(
+        [(_DIRECT[idem is not None], _one_statement_params(spec, user, limit, idem)) for spec, user, idem in submissions])
+    return [row if row is not None and row.id is not None else None for row in rows]
+
+
 def submit_job(
     *, session: Session, spec: JobCreate, user: Principal, idempotency: tuple[str, str] | None = None,
     checked: bool = False, commit: bool = True,

@@ -168,6 +168,43 @@ async def submit_alone_on(
     return Submitted(job=submitted_read(row), replayed=False)
 
 
+async def submit_group_on(
+    statements: LoopStatements, *, sessions: Callable[[], Session], items: Sequence[Single], limits: LimitsSettings,
+    notifier: Notifier,
+) -> list[Submitted | Exception]:
+    """PostgreSQL, on the event loop (api/jobs.SubmissionGroups, a group of several): the
+    submissions' statements in one transaction on ``statements``' connection, pipelined, without a
+    Session (``jobs.submit_admitted_group_on``); what ``submit_group`` answers, in the same order.
+    A job written is answered from its row; one not written (a refusal, a key's replay: each
+    statement sees those before it in the group) is answered afterwards by ``submit_group`` alone
+    on ``sessions``, which says why, as ``submit_alone_on`` does. A user who may not submit is
+    answered so and left out. A key another request committed meanwhile rolls the group back, and
+    each is then submitted alone, as ``submit_group`` answers that race; any other failure of the
+    group (the database away) is each one's answer, nothing of the group written."""
+    out: list[Submitted | Exception | None] = [None] * len(items)
+    sent: list[int] = []
+    for i, (_, user, _) in enumerate(items):
+        if user.kind != "user" or user.user_id is None:
+            out[i] = Forbidden("only users can submit jobs")
+        else:
+            sent.append(i)
+    try:
+        rows = await job_service.submit_admitted_group_on(
+            statements, [(items[i][0], items[i][1], _with_hash(items[i][0], items[i][2])) for i in sent],
+            limit=limits.max_queued_jobs_per_user)
+    except IntegrityError:  # a key committed by a concurrent request in between: each alone
+        rows = [None] * len(sent)
+    except Exception as exc:  # noqa: BLE001 - the group's failure: nothing of it written
+        return [exc if answer is None else answer for answer in out]
+    if any(row is not None for row in rows):
+        notifier.publish(notify.SCHEDULER)
+        crash_point("after_submit_commit")
+    for i, row in zip(sent, rows):
+        out[i] = Submitted(job=submitted_read(row), replayed=False) if row is not None else \
+            (await on_loop(submit_group, sessions=sessions, items=[items[i]], limits=limits))[0]
+    return out
+
+
 @dataclass(frozen=True)
 class SubmittedBatch:
     jobs: list[JobRead]
