@@ -8,6 +8,7 @@ shared machine sways less). `--profile FILE` records the worker with py-spy (spe
 
     python benchmarks/submit_cpu.py [--jobs 1000] [--profile /tmp/submit.speedscope.json]
     python benchmarks/submit_cpu.py --jobs 200 --callgrind /tmp/submit.callgrind   # instructions per submission
+    python benchmarks/submit_cpu.py --jobs 3000 --in-flight 8   # 8 requests at once: written in groups
 
 PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped: a database of your own); Redis: HAI_TEST_REDIS_URL.
 """
@@ -25,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from api_load import BODY, HAI, Procs, free_port, loadavg, reset_postgres, seed_nodes, seed_users, wait_for  # noqa: E402
+from api_load import (BODY, HAI, Procs, free_port, loadavg, post_load, reset_postgres, seed_nodes,  # noqa: E402
+                      seed_users, wait_for)
 
 from hai.settings import Settings  # noqa: E402
 
@@ -83,6 +85,9 @@ def main() -> None:
     ap.add_argument("--callgrind", type=Path, help="run the server under valgrind's callgrind and print the "
                     "instructions it executed per submission (after the warm-up): a figure other load does not sway")
     ap.add_argument("--blocks", type=int, default=5, help="also the CPU per job of this many blocks of jobs")
+    ap.add_argument("--in-flight", type=int, default=1, help=(
+        "requests at once (threads, each its own keep-alive connection; without --idempotency): those that "
+        "arrive while a group is written are written together"))
     args = ap.parse_args()
     url, redis_url = os.environ["HAI_TEST_DATABASE_URL"], os.environ.get("HAI_TEST_REDIS_URL", "")
     procs = Procs()
@@ -121,7 +126,15 @@ def main() -> None:
                 heard = wakeups(redis_url)  # the notifications the server sends through Redis meanwhile
                 load0, c0, t0 = loadavg(), cpu_s(server.pid), time.perf_counter()
                 blocks, per_block = [], max(1, args.jobs // args.blocks)
-                for b in range(0, args.jobs, per_block):
+                if args.in_flight > 1:  # one block, the load's threads in this process
+                    per_block = args.jobs
+                    cb = cpu_s(server.pid)
+                    load = post_load(lambda: httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"},
+                                                          timeout=60), "/api/v1/jobs", BODY, args.jobs, args.in_flight,
+                                     ok=(201,))
+                    assert load["failed"] == 0, load["first_error"]
+                    blocks.append(1000 * (cpu_s(server.pid) - cb) / args.jobs)
+                for b in range(0, args.jobs if args.in_flight == 1 else 0, per_block):
                     cb = cpu_s(server.pid)
                     for i in range(b, min(args.jobs, b + per_block)):
                         post(i)
@@ -134,7 +147,7 @@ def main() -> None:
                     spy.send_signal(2)
                     spy.wait(60)
             blocks.sort()
-            out = {"jobs": args.jobs, "server_cpu_ms_per_job": round(1000 * cpu / args.jobs, 3),
+            out = {"jobs": args.jobs, "in_flight": args.in_flight, "server_cpu_ms_per_job": round(1000 * cpu / args.jobs, 3),
                    # the same per block of jobs: the least and the median are less swayed by other load
                    "blocks_ms_min": round(blocks[0], 3), "blocks_ms_median": round(blocks[len(blocks) // 2], 3),
                    "jobs_per_s": round(args.jobs / wall, 1), "load": [load0, loadavg()],
