@@ -94,8 +94,10 @@ class SubmissionGroups:
     request in flight is a group of one; eight in flight share BEGIN, COMMIT, the thread hop and
     (SQLite) the write lock, where each took them in turn, eight threads handing the interpreter
     lock and the write lock between them. On PostgreSQL (``db.submit_on_loop``) a group is written
-    on the event loop itself (``hai.db.session.on_loop``, the process's asyncio connections of
-    ``Platform.loop_sessions``), with no worker thread at all; on SQLite in a worker thread.
+    on the event loop itself, on the connection the loop holds (``Platform.loop_statements``: a
+    group of one as its one statement, a group of several as one pipelined transaction of them,
+    no Session; what they did not write answered through ``Platform.loop_sessions``), with no
+    worker thread at all; on SQLite in a worker thread.
     ``groups`` counts the groups written, ``largest`` the most submissions one held."""
 
     most = 64  # submissions a group holds at most (one SQLite write lock held ~0.3 ms each)
@@ -120,8 +122,9 @@ class SubmissionGroups:
 
     @staticmethod
     async def _written(platform: Platform, items: list[submissions.Single]) -> list[submissions.Submitted | Exception]:
-        """One group written: on PostgreSQL on this loop (no worker thread; a group of one as one
-        statement on the loop's statement connection, no Session), else in a worker thread."""
+        """One group written: on PostgreSQL on this loop (no worker thread, no Session: a group of
+        one as its one statement on the loop's statement connection, a group of several as one
+        pipelined transaction there), else in a worker thread."""
         on_loop_sessions = platform.loop_sessions()
         if on_loop_sessions is not None:
             if len(items) == 1:
