@@ -188,6 +188,8 @@ async def submit_group_on(
             out[i] = Forbidden("only users can submit jobs")
         else:
             sent.append(i)
+    if not sent:
+        return out
     try:
         rows = await job_service.submit_admitted_group_on(
             statements, [(items[i][0], items[i][1], _with_hash(items[i][0], items[i][2])) for i in sent],
