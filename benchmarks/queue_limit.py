@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api_load import cpu_s, loadavg, pids_named, reset_postgres, seed_jobs, seed_nodes, seed_users  # noqa: E402
+from api_load import loadavg, postgresql_cpu_s, reset_postgres, seed_jobs, seed_nodes, seed_users  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
 from hai.schemas.jobs import JobCreate  # noqa: E402
@@ -70,8 +70,8 @@ def case(url: str, depth: int, n: int, work: Path, nodes: int = 2) -> dict:
             with platform.sessions() as s:
                 job_service.submit_admitted(session=s, spec=SPEC, user=user, limit=LIMIT)
         blocks, block = [], 50
-        pg = pids_named("postgres") if url.startswith("postgresql") else []  # the pool's backend, now
-        c0, t0 = cpu_s(pg), time.perf_counter()
+        pg = url.startswith("postgresql")
+        c0, t0 = postgresql_cpu_s() if pg else 0.0, time.perf_counter()  # its backends, those that exit too
         for i in range(n):
             if i % block == 0:
                 b0 = time.perf_counter()
@@ -85,7 +85,7 @@ def case(url: str, depth: int, n: int, work: Path, nodes: int = 2) -> dict:
         out = {"own_queued": depth, "nodes": nodes, "jobs": n, "ms_per_submission": round(wall * 1000 / n, 3),
                "ms_per_submission_blocks_median": round(statistics.median(blocks), 3), "load": loadavg()}
         if pg:
-            out["postgresql_cpu_ms_per_submission"] = round((cpu_s(pg) - c0) * 1000 / n, 3)
+            out["postgresql_cpu_ms_per_submission"] = round((postgresql_cpu_s() - c0) * 1000 / n, 3)
         with platform.read_sessions() as s:
             queued = s.execute(text("SELECT count(*) FROM jobs WHERE state = 'queued'")).scalar()
         assert queued == depth + 20 + n, queued

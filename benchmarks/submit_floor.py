@@ -120,7 +120,8 @@ def app() -> Floor:
 def floor_case(n: int) -> dict:
     import httpx
     import psycopg
-    from api_load import BODY, CORES, Procs, cpu_s, free_port, pg_urls, pids_named, post_load, wait_for, wait_quiet
+    from api_load import (BODY, CORES, Procs, cpu_s, free_port, pg_urls, post_load, postgresql_cpu_s, wait_for,
+                          wait_quiet)
 
     url, _redis = pg_urls()
     with psycopg.connect(_libpq_url(url), autocommit=True) as conn:
@@ -147,11 +148,10 @@ def floor_case(n: int) -> dict:
                                       Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
             for in_flight in (1, 8):
                 quiet = wait_quiet()
-                pg = pids_named("postgres")
-                c0, pg0 = cpu_s(serving), cpu_s(pg)
+                c0, pg0 = cpu_s(serving), postgresql_cpu_s()
                 out[f"in_flight_{in_flight}"] = r = post_load(client, "/api/v1/jobs", BODY, n, in_flight)
                 r["server_cpu_ms_per_job"] = round((cpu_s(serving) - c0) * 1000 / n, 3)
-                r["postgresql_cpu_ms_per_job"] = round((cpu_s(pg) - pg0) * 1000 / n, 3)
+                r["postgresql_cpu_ms_per_job"] = round((postgresql_cpu_s() - pg0) * 1000 / n, 3)
                 r["quiet_before"] = quiet
                 print(f"  floor      in_flight={in_flight}: {r['jobs_per_s']:7.1f} jobs/s p50 {r['p50_ms']:6.1f} ms "
                       f"p99 {r['p99_ms']:7.1f} ms  failed {r['failed']}  CPU/job: server {r['server_cpu_ms_per_job']} "

@@ -63,19 +63,19 @@ def worker(jobs: int, postgresql: bool, key: bool, loop: bool = False, group: in
         alice = auth.Principal(kind="user", user_id=user.id, name="alice", group="g")
     spec = JobCreate(name="bench", command=["sleep", "1"], gpus_per_node=1)
     limits = platform.settings.limits
-    if loop:  # the API writer's own call for a group of one, on an event loop (uvloop, as `hai server`)
+    def items(k: str | None) -> list:  # one call's submissions (with a key each: k-0, k-1, ...)
+        return [(spec, alice, None if k is None else f"{k}-{g}") for g in range(group)]
+
+    if loop:  # the API writer's own call for a group, on an event loop (uvloop, as `hai server`)
         import uvloop
 
         from hai.api.jobs import SubmissionGroups
 
         async def write(k: str | None) -> list:
-            return await SubmissionGroups._written(
-                platform, [(spec, alice, None if k is None else f"{k}-{g}") for g in range(group)])
+            return await SubmissionGroups._written(platform, items(k))
     else:
         async def write(k: str | None) -> list:  # (no await inside: the call as the worker thread makes it)
-            return submissions.submit_group(
-                sessions=platform.sessions, items=[(spec, alice, None if k is None else f"{k}-{g}") for g in range(group)],
-                limits=limits)
+            return submissions.submit_group(sessions=platform.sessions, items=items(k), limits=limits)
 
     async def measured() -> float:
         for i in range(50):  # warm: compiled statements, connections

@@ -391,13 +391,26 @@ def test_the_loops_connections_are_closed_when_the_app_stops(pg_url, tmp_path):
     assert not api.platform._loop_engines
 
 
+def _held_connection_waits_on_a_lock(api: Api) -> bool:
+    """Whether the event loop's held statement connection exists and its backend waits on a lock
+    (``pg_stat_activity``): a statement of it held by another transaction's uncommitted row."""
+    from sqlalchemy import text
+
+    if not api.platform._loop_engines:
+        return False
+    (_e, _s, statements), = api.platform._loop_engines.values()
+    if statements._held is None:
+        return False
+    with api.platform.engine.connect() as conn:
+        return conn.execute(text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                            {"p": statements._held.driver_connection.info.backend_pid}).scalar() is True
+
+
 def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_with_its_job(pg_url, tmp_path):
     """A group of one on the loop's statement connection (no Session) meets a key that another
     transaction wrote and has not committed: PostgreSQL holds the statement on the unique index,
     the other commits, the statement fails (a real unique violation, raised as SQLAlchemy's
     IntegrityError); the submission is then answered through a Session: the other's job, replayed."""
-    from sqlalchemy import text
-
     with api_with_two_nodes(pg_url, tmp_path) as api:
         alice = _user(api, api.alice)
         spec = _spec("same")
@@ -409,21 +422,9 @@ def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_wit
         async def scenario():  # noqa: ANN202
             groups = EarlySubmissions(None, owner=None).grouped
             mine = asyncio.ensure_future(groups.submit(api.platform, (spec, alice, "k")))
-            statements = None
-
-            def waiting_on_the_key() -> bool:
-                nonlocal statements
-                if not api.platform._loop_engines:
-                    return False
-                (_e, _s, statements), = api.platform._loop_engines.values()
-                held = statements._held
-                if held is None:
-                    return False
-                with api.platform.engine.connect() as conn:
-                    return conn.execute(text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
-                                        {"p": held.driver_connection.info.backend_pid}).scalar() is True
-
-            await _until(waiting_on_the_key, "the statement waiting on the other transaction's key")
+            await _until(lambda: _held_connection_waits_on_a_lock(api),
+                         "the statement waiting on the other transaction's key")
+            (_e, _s, statements), = api.platform._loop_engines.values()
             other.commit()
             try:
                 return await mine, statements.connects
@@ -501,8 +502,6 @@ def test_on_postgresql_a_key_committed_while_a_group_waits_rolls_it_back_and_sen
     violation rolls the whole group back (none of it written twice), and each is then submitted
     alone: the key's submission answered with the other's job, the rest written. The connection
     is kept (an IntegrityError is no disconnect)."""
-    from sqlalchemy import text
-
     with api_with_two_nodes(pg_url, tmp_path) as api:
         alice = _user(api, api.alice)
         other = api.platform.sessions()
@@ -515,18 +514,8 @@ def test_on_postgresql_a_key_committed_while_a_group_waits_rolls_it_back_and_sen
             from hai.api.jobs import SubmissionGroups
 
             mine = asyncio.ensure_future(SubmissionGroups._written(api.platform, items))
-
-            def waiting_on_the_key() -> bool:
-                if not api.platform._loop_engines:
-                    return False
-                (_e, _s, statements), = api.platform._loop_engines.values()
-                if statements._held is None:
-                    return False
-                with api.platform.engine.connect() as conn:
-                    return conn.execute(text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
-                                        {"p": statements._held.driver_connection.info.backend_pid}).scalar() is True
-
-            await _until(waiting_on_the_key, "the group's statement waiting on the other transaction's key")
+            await _until(lambda: _held_connection_waits_on_a_lock(api),
+                         "the group's statement waiting on the other transaction's key")
             other.commit()
             try:
                 out = await mine

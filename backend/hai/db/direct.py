@@ -114,16 +114,16 @@ class DirectStatement:
         cursor = driver_connection.cursor()
         try:
             await cursor.execute(sql, values)
-            raw = await cursor.fetchone()
-            shape = self._row_type(dialect, cursor) if raw is not None else None
+            return await self._first_of(dialect, cursor)
         except dialect.loaded_dbapi.Error as exc:
-            # as SQLAlchemy raises it (IntegrityError, OperationalError, ...), a disconnect marked
-            lost = dialect.is_disconnect(exc, driver_connection, cursor)
-            raise DBAPIError.instance(sql, values, exc, dialect.loaded_dbapi.Error, dialect=dialect,
-                                      connection_invalidated=lost) from exc
+            raise _translated(dialect, driver_connection, cursor, sql, values, exc) from exc
         finally:
             await cursor.close()
-        return self._row(raw, shape)
+
+    async def _first_of(self, dialect, cursor) -> Any:  # noqa: ANN001, ANN401
+        """The first row of ``cursor``'s result (awaited: an asyncio cursor), converted, or None."""
+        raw = await cursor.fetchone()
+        return self._row(raw, self._row_type(dialect, cursor) if raw is not None else None)
 
     @staticmethod
     async def firsts_in_transaction_on(dialect, driver_connection, runs: list[tuple[DirectStatement, dict]]) -> list:  # noqa: ANN001
@@ -134,7 +134,7 @@ class DirectStatement:
         its driver error is raised as SQLAlchemy raises it, as ``first_on`` raises it."""
         sent = [(statement, *statement._values(dialect, params)) for statement, params in runs]
         cursors = [driver_connection.cursor() for _ in sent]
-        sql, values = (sent[0][1], sent[0][2]) if sent else ("", None)
+        sql, values = "", None  # the statement sent or read last (a failure's message names it)
         try:
             async with driver_connection.pipeline():
                 async with driver_connection.transaction():
@@ -142,12 +142,9 @@ class DirectStatement:
                         await cursor.execute(sql, values)
                 rows = []
                 for (statement, sql, values), cursor in zip(sent, cursors):
-                    raw = await cursor.fetchone()
-                    rows.append(statement._row(raw, statement._row_type(dialect, cursor) if raw is not None else None))
+                    rows.append(await statement._first_of(dialect, cursor))
         except dialect.loaded_dbapi.Error as exc:
-            lost = dialect.is_disconnect(exc, driver_connection, None)
-            raise DBAPIError.instance(sql, values, exc, dialect.loaded_dbapi.Error, dialect=dialect,
-                                      connection_invalidated=lost) from exc
+            raise _translated(dialect, driver_connection, None, sql, values, exc) from exc
         finally:
             for cursor in cursors:
                 await cursor.close()
@@ -174,3 +171,12 @@ class DirectStatement:
     def run(self, conn: Connection, params: dict) -> int:
         """A statement that returns no rows (an INSERT without RETURNING): the rows it wrote."""
         return self._execute(conn, params, fetch=False)[2]
+
+
+def _translated(dialect, driver_connection, cursor, sql: str, values, exc: Exception) -> DBAPIError:  # noqa: ANN001
+    """A driver error on a connection no SQLAlchemy connection wraps, as SQLAlchemy raises it
+    (IntegrityError, OperationalError, ...), marked ``connection_invalidated`` where the dialect
+    calls it a disconnect."""
+    lost = dialect.is_disconnect(exc, driver_connection, cursor)
+    return DBAPIError.instance(sql, values, exc, dialect.loaded_dbapi.Error, dialect=dialect,
+                               connection_invalidated=lost)

@@ -210,6 +210,12 @@ class KeySeen:
     request_hash: str
 
 
+def check_submitter(user: Principal) -> None:
+    """Forbidden unless ``user`` is a user with an id: an agent's token submits no job."""
+    if user.kind != "user" or user.user_id is None:
+        raise Forbidden("only users can submit jobs")
+
+
 def _one_statement(with_key: bool):  # noqa: ANN202
     """PostgreSQL: the whole submission as one statement (issue 12, fourth pass): the admission
     aggregate and (with a key) the key's earlier use; the job's INSERT only where both pass; its
@@ -278,8 +284,7 @@ def submit_admitted(
     ``commit=False`` (a group of submissions in one transaction, ``submissions.submit_group``):
     the caller's transaction, begun, is neither committed nor rolled back here; a refusal writes
     nothing of this job and leaves the transaction as it was."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    check_submitter(user)
     if session.get_bind().dialect.name != "postgresql":
         if idempotency is not None:
             seen = _SEEN_KEY_DIRECT.first(session.connection(), {"user_id": user.user_id, "key": idempotency[0]})
@@ -327,8 +332,7 @@ async def submit_admitted_on(
     answers as ``submit_admitted`` would (api/jobs.SubmissionGroups: through it). A key committed
     by a concurrent request in between raises IntegrityError, as there. The scheduler's wake-up is
     the caller's to publish."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    check_submitter(user)
     row = await statements.first(_DIRECT[idempotency is not None], _one_statement_params(spec, user, limit, idempotency))
     return row if row is not None and row.id is not None else None
 
@@ -340,11 +344,9 @@ async def submit_admitted_group_on(
     ``submissions`` in order, all in one transaction (pipelined: one round trip for the group,
     ``LoopStatements.firsts_in_transaction``), each statement seeing the jobs and keys of those
     before it. For each, the job's row when it was written, None when it was not (refused or the
-    key seen before: the caller answers it as ``submit_admitted_on``'s caller does). A failure
-    (a key committed by a concurrent request in between: IntegrityError) writes none of them."""
-    for _, user, _ in submissions:
-        if user.kind != "user" or user.user_id is None:
-            raise Forbidden("only users can submit jobs")
+    key seen before: the caller answers it as ``submit_admitted_on``'s caller does). Every user
+    is one who may submit (``check_submitter``: the caller answers the others). A failure (a key
+    committed by a concurrent request in between: IntegrityError) writes none of them."""
     rows = await statements.firsts_in_transaction(
         [(_DIRECT[idem is not None], _one_statement_params(spec, user, limit, idem)) for spec, user, idem in submissions])
     return [row if row is not None and row.id is not None else None for row in rows]
@@ -363,8 +365,7 @@ def submit_job(
     INSERT, its event and the admission's SELECT was 0.17 ms of a SQLite submission's 0.58 ms of
     CPU): returns the job's row (every column, as an attribute). ``commit=False``:
     the caller commits (a group of submissions, ``submit_admitted``)."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    check_submitter(user)
     if not checked:
         check_fits_cluster(session, spec)
     now = utcnow()
@@ -484,8 +485,7 @@ def submit_batch(
     then one commit and one wake-up of the scheduler. With ``idempotency``
     (key, hash of the whole batch) a key sent before gives its jobs as KeySeen, in order
     (nothing written)."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    check_submitter(user)
     keys = batch_keys(idempotency[0], len(specs)) if idempotency is not None else []
     if idempotency is not None:
         seen = seen_batch(session, user_id=user.user_id, keys=keys)

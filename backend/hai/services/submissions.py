@@ -69,8 +69,7 @@ def _submit(
 ) -> Submitted:
     """``submit``; ``commit=False``: in the caller's begun transaction, neither committed nor rolled
     back here (a refusal writes nothing of this job), an IntegrityError raised on."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    job_service.check_submitter(user)
     idem = _with_hash(spec, idempotency_key)
     digest = idem[1] if idem is not None else ""
     try:
@@ -184,8 +183,10 @@ async def submit_group_on(
     out: list[Submitted | Exception | None] = [None] * len(items)
     sent: list[int] = []
     for i, (_, user, _) in enumerate(items):
-        if user.kind != "user" or user.user_id is None:
-            out[i] = Forbidden("only users can submit jobs")
+        try:
+            job_service.check_submitter(user)
+        except Forbidden as exc:
+            out[i] = exc
         else:
             sent.append(i)
     if not sent:
@@ -227,8 +228,7 @@ def submit_batch(
 ) -> SubmittedBatch:
     """``POST /api/v1/jobs/batch``: ``jobs.submit_batch`` with the user's queued-jobs limit and the
     ``Idempotency-Key`` replay (the key and the body of the whole batch)."""
-    if user.kind != "user" or user.user_id is None:
-        raise Forbidden("only users can submit jobs")
+    job_service.check_submitter(user)
     digest = batch_hash(batch) if idempotency_key is not None else ""
     idem = (idempotency_key, digest) if idempotency_key is not None else None
     try:
