@@ -406,6 +406,36 @@ def _held_connection_waits_on_a_lock(api: Api) -> bool:
                             {"p": statements._held.driver_connection.info.backend_pid}).scalar() is True
 
 
+def _racing_an_uncommitted_key(api: Api, write) -> tuple[object, object, int]:  # noqa: ANN001
+    """Another transaction writes alice's job "same" with key "k" and does not commit; ``write()``
+    (a coroutine of the API's writer) starts on a fresh event loop; once the loop's statement
+    connection waits on that key's lock (``pg_stat_activity``) the other commits. Returns the
+    other's submission, what ``write`` answered, and the connections the loop's statement
+    connection took."""
+    other = api.platform.sessions()
+    other.connection()  # a transaction of its own
+    theirs = submissions._submit(session=other, spec=_spec("same"), user=_user(api, api.alice), limits=LIMITS,
+                                 idempotency_key="k", commit=False)  # the job and its key written, not committed
+
+    async def scenario():  # noqa: ANN202
+        mine = asyncio.ensure_future(write())
+        try:
+            await _until(lambda: _held_connection_waits_on_a_lock(api),
+                         "the statement waiting on the other transaction's key")
+            other.commit()
+            out = await mine
+            (_e, _s, statements), = api.platform._loop_engines.values()
+            return out, statements.connects
+        finally:
+            await api.platform.close_loop()
+
+    try:
+        out, connects = asyncio.run(scenario())
+    finally:
+        other.close()
+    return theirs, out, connects
+
+
 def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_with_its_job(pg_url, tmp_path):
     """A group of one on the loop's statement connection (no Session) meets a key that another
     transaction wrote and has not committed: PostgreSQL holds the statement on the unique index,
@@ -413,28 +443,9 @@ def test_on_postgresql_a_key_committed_while_the_statement_waits_is_answered_wit
     IntegrityError); the submission is then answered through a Session: the other's job, replayed."""
     with api_with_two_nodes(pg_url, tmp_path) as api:
         alice = _user(api, api.alice)
-        spec = _spec("same")
-        other = api.platform.sessions()
-        other.connection()  # a transaction of its own
-        theirs = submissions._submit(session=other, spec=spec, user=alice, limits=LIMITS, idempotency_key="k",
-                                     commit=False)  # the job and its key written, not committed
-
-        async def scenario():  # noqa: ANN202
-            groups = EarlySubmissions(None, owner=None).grouped
-            mine = asyncio.ensure_future(groups.submit(api.platform, (spec, alice, "k")))
-            await _until(lambda: _held_connection_waits_on_a_lock(api),
-                         "the statement waiting on the other transaction's key")
-            (_e, _s, statements), = api.platform._loop_engines.values()
-            other.commit()
-            try:
-                return await mine, statements.connects
-            finally:
-                await api.platform.close_loop()
-
-        try:
-            done, connects = asyncio.run(scenario())
-        finally:
-            other.close()
+        groups = EarlySubmissions(None, owner=None).grouped
+        theirs, done, connects = _racing_an_uncommitted_key(
+            api, lambda: groups.submit(api.platform, (_spec("same"), alice, "k")))
         assert done.replayed and done.job.id == theirs.job.id and done.job.name == "same"
         assert connects == 1  # an IntegrityError is no disconnect: the connection kept
         with api.platform.sessions() as s:
@@ -502,32 +513,13 @@ def test_on_postgresql_a_key_committed_while_a_group_waits_rolls_it_back_and_sen
     violation rolls the whole group back (none of it written twice), and each is then submitted
     alone: the key's submission answered with the other's job, the rest written. The connection
     is kept (an IntegrityError is no disconnect)."""
+    from hai.api.jobs import SubmissionGroups
+
     with api_with_two_nodes(pg_url, tmp_path) as api:
         alice = _user(api, api.alice)
-        other = api.platform.sessions()
-        other.connection()
-        theirs = submissions._submit(session=other, spec=_spec("same"), user=alice, limits=LIMITS,
-                                     idempotency_key="k", commit=False)
         items = [(_spec("before"), alice, None), (_spec("same"), alice, "k"), (_spec("after"), alice, None)]
-
-        async def scenario():  # noqa: ANN202
-            from hai.api.jobs import SubmissionGroups
-
-            mine = asyncio.ensure_future(SubmissionGroups._written(api.platform, items))
-            await _until(lambda: _held_connection_waits_on_a_lock(api),
-                         "the group's statement waiting on the other transaction's key")
-            other.commit()
-            try:
-                out = await mine
-                (_e, _s, statements), = api.platform._loop_engines.values()
-                return out, statements.connects
-            finally:
-                await api.platform.close_loop()
-
-        try:
-            out, connects = asyncio.run(scenario())
-        finally:
-            other.close()
+        theirs, out, connects = _racing_an_uncommitted_key(
+            api, lambda: SubmissionGroups._written(api.platform, items))
         assert [(o.job.name, o.replayed) for o in out] == [("before", False), ("same", True), ("after", False)]
         assert out[1].job.id == theirs.job.id
         assert connects == 1
