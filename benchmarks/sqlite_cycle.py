@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--postgresql", action="store_true", help="the database at HAI_TEST_DATABASE_URL")
+    ap.add_argument("--arrivals", type=int, default=0, metavar="K",
+                    help="instead of steady cycles: --repeat cycles with the queue cache, K submissions "
+                         "(the API's service, not timed) before each")
     args = ap.parse_args()
     out: dict = {"queued": args.queued, "load_before": api_load.loadavg()}
     with tempfile.TemporaryDirectory(prefix="hai-sqlite-cycle-") as tmp:
@@ -97,6 +100,9 @@ def main() -> None:
                     return (time.process_time() - c0) * 1000, 0.0, (time.perf_counter() - w0) * 1000, result
 
                 out["settle_ms"] = [round(cycle(queue)[0], 1) for _ in range(3)]
+                if args.arrivals:
+                    out.update(_with_arrivals(args, platform, users[1], lambda: cycle(queue), queue))
+                    return _print(out, platform)
                 with_cache, without = [], []
                 for _ in range(args.repeat):
                     *ms, r1 = cycle(queue)
@@ -113,9 +119,47 @@ def main() -> None:
                     out[f"steady_cycle_wall_ms_{name}"] = round(statistics.median(r[2] for r in runs), 1)
         finally:
             platform.close()
+    _print(out)
+
+
+def _print(out: dict, platform: Platform | None = None) -> None:
+    if platform is not None:
+        platform.close()
     out["load_after"] = api_load.loadavg()
     out["cpus"] = os.cpu_count()
     print(json.dumps(out, indent=2))
+
+
+def _with_arrivals(args, platform: Platform, user: tuple[int, str], cycle, queue: scheduling.QueueCache) -> dict:  # noqa: ANN001
+    """``--arrivals K``: ``--repeat`` cycles, each after K submissions of 1-GPU jobs by one user
+    through the API's service (``submissions.submit``, one transaction each, as the API writes
+    them; not timed), as the scheduler meets a burst: the rows it reads are the new jobs and
+    those whose reason the last cycle wrote (2K), the rest of the queue unchanged. The median CPU
+    (and, on PostgreSQL, the database's CPU) of a cycle."""
+    from hai.db.models import User
+    from hai.schemas.jobs import JobCreate
+    from hai.services import auth, submissions
+
+    with platform.sessions() as s:
+        row = s.get(User, user[0])
+        who = auth.Principal(kind="user", user_id=row.id, name=row.name, group=row.group or "")
+    limits = platform.settings.limits.model_copy(update={"max_queued_jobs_per_user": 0})
+    spec = JobCreate(name="arrival", command=["sleep", "60"])
+    runs, rows = [], []
+    for _ in range(args.repeat):
+        for _ in range(args.arrivals):
+            with platform.sessions() as s:
+                submissions.submit(session=s, spec=spec, user=who, limits=limits)
+        *ms, result = cycle()
+        runs.append(ms)
+        rows.append(queue.rows_read)
+    out = {"arrivals": args.arrivals, "cycles": args.repeat, "considered_last": len(result.considered),
+           "rows_read_median": statistics.median(rows), "queue_cache_full_reads": queue.full_reads,
+           "arrival_cycle_cpu_ms": round(statistics.median(r[0] for r in runs), 2),
+           "arrival_cycle_wall_ms": round(statistics.median(r[2] for r in runs), 2)}
+    if args.postgresql:
+        out["arrival_cycle_server_cpu_ms_mean"] = round(statistics.fmean(r[1] for r in runs), 2)
+    return out
 
 
 if __name__ == "__main__":

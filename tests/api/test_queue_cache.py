@@ -151,7 +151,7 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write(api)
                                              " WHERE id = :i"), {"i": queued[3]}))
         assert _same(api, cache) == 2
         assert cache.jobs[queued[2]].priority.value == "VERY_HIGH"
-        assert cache.shows[queued[3]].reserved_nodes == ("n1",)
+        assert cache.shows.reserved[queued[3]] == ("n1",)
 
         # more submissions between cycles, a cycle in between, a queued row deleted
         third = _late_submissions_and_a_deleted_row(api, cache, loop, lease)

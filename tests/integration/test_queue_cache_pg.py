@@ -105,7 +105,7 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_p
         _write(api, hot)
         _same(api, cache)
         assert cache.jobs[queued[2]].priority.value == "VERY_HIGH"
-        assert cache.shows[queued[3]].reserved_nodes == ("n1",)
+        assert cache.shows.reserved[queued[3]] == ("n1",)
 
         # a subtransaction: a savepoint's write committed with its parent, one rolled back
         def savepoints(s):  # noqa: ANN001

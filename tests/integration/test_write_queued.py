@@ -80,6 +80,54 @@ def test_queued_jobs_reasons_and_reservations_written_by_the_rules_in_one_statem
         assert many
 
 
+def _row_versions(sessions) -> dict[str, object]:  # noqa: ANN001
+    """Each job's row version by name: what changes whenever the row is written (PostgreSQL: the
+    writing transaction, ``xmin``; SQLite: the change marker its triggers set, ``change_seq``)."""
+    with sessions() as s:
+        version = "xmin::text" if s.get_bind().dialect.name == "postgresql" else "change_seq"
+        return dict(s.execute(text(f"SELECT name, {version} FROM jobs")).all())
+
+
+def test_only_what_differs_from_what_the_queue_shows_is_written(sessions):
+    """With ``current`` (``Shown``: what the snapshot's queued jobs show, as the queue cache keeps
+    it), a queued job is written only where the cycle's reason or reservation differs from it: a
+    job shown with the same reason and reservation is not written (its row unchanged, though its
+    stored reason differs: the shown state is what counts); a new reason, a new reservation, a
+    reservation dropped and a job not shown at all are."""
+    with sessions() as s:
+        user, _ = auth.create_user(session=s, name="alice", group="g")
+        jobs = {name: _job(s, user, name) for name in ("same", "reason", "moved", "dropped", "unshown")}
+        for name, nodes in (("same", ["n1"]), ("moved", ["n1"]), ("dropped", ["n2"])):
+            jobs[name].reserved_nodes = nodes  # the reservations as shown (the reasons all "waiting")
+        s.commit()
+        ids = {name: job.id for name, job in jobs.items()}
+    shown = scheduling.Shown()
+    shown.set(ids["same"], "Resources: one", ("n1",))
+    shown.set(ids["reason"], "Resources: one", ())
+    shown.set(ids["moved"], "Reserved: n1", ("n1",))
+    shown.set(ids["dropped"], "Reserved: n2", ("n2",))
+    decisions = sched.Decisions(
+        reservations={ids["same"]: ("n1",), ids["moved"]: ("n3",)},
+        pending_reasons={ids["same"]: "Resources: one", ids["reason"]: "Resources: two", ids["moved"]: "Reserved: n1",
+                         ids["dropped"]: "Reserved: n2", ids["unshown"]: "Resources: three"},
+    )
+    before = _row_versions(sessions)
+    with sessions() as s:
+        scheduling.apply_decisions(s, decisions, settings=Settings(), now=utcnow(), current=shown)
+        s.commit()
+    after = _row_versions(sessions)
+    assert {name for name in after if after[name] != before[name]} == {"reason", "moved", "dropped", "unshown"}
+    with sessions() as s:
+        rows = {j.name: (j.pending_reason, list(j.reserved_nodes)) for j in s.scalars(select(Job))}
+    assert rows == {
+        "same": ("waiting", ["n1"]),  # as shown: not written
+        "reason": ("Resources: two", []),
+        "moved": ("waiting", ["n3"]),  # its reservation only (its reason as shown)
+        "dropped": ("waiting", []),
+        "unshown": ("Resources: three", []),
+    }
+
+
 def _fillfactor(engine) -> list[str] | None:  # noqa: ANN001
     with engine.connect() as conn:
         return conn.execute(text("SELECT reloptions FROM pg_class WHERE relname = 'jobs'")).scalar_one()
