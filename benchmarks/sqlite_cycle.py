@@ -5,6 +5,7 @@ marker on SQLite and the xmin horizon on PostgreSQL).
 
     python benchmarks/sqlite_cycle.py [--queued 10000] [--repeat 20]
     HAI_TEST_DATABASE_URL=postgresql+psycopg://... python benchmarks/sqlite_cycle.py --postgresql
+    python benchmarks/sqlite_cycle.py --queued 10000 --arrivals 100 [--postgresql]   # a cycle after 100 submissions
 
 ``--postgresql``: the database at HAI_TEST_DATABASE_URL (its public schema is dropped and made
 again: a database of your own), the cycle as ``hai scheduler`` runs it there (one fenced
