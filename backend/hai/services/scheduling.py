@@ -116,6 +116,10 @@ class Shown:
         self.reasons.pop(job_id, None)
         self.reserved.pop(job_id, None)
 
+    def clear(self) -> None:
+        self.reasons.clear()
+        self.reserved.clear()
+
 
 def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sched.Snapshot:
     return _load(session, now=now, lost_after_s=lost_after_s)[0]
@@ -268,9 +272,9 @@ def _load(
     for j in rows:
         if j.state == JobState.QUEUED.value:
             if not j.user_suspended:
-                q, reserved = _queued(j)
+                q = _queued(j)
                 queued.append(q)
-                current.set(j.id, j.pending_reason, reserved)
+                current.set(j.id, j.pending_reason, q.reserved_nodes)
             continue
         common = _common(j)
         ckpt = _json(j.checkpoint_json, {})
@@ -356,21 +360,20 @@ def _common(j: Row) -> dict:
     )
 
 
-def _queued(j: Row) -> tuple[sched.QueuedJob, tuple[str, ...]]:
-    """A queued job of the snapshot, and its reservation, from its row alone (no ``now``,
-    nothing of another row: what QueueCache relies on)."""
-    reserved = tuple(_json(j.reserved_json, ()))
-    job = sched.QueuedJob(
-        **_common(j), queued_at=j.queued_at.timestamp(), suspensions=j.suspensions, reserved_nodes=reserved,
+def _queued(j: Row) -> sched.QueuedJob:
+    """A queued job of the snapshot from its row alone (no ``now``, nothing of another row: what
+    QueueCache relies on)."""
+    return sched.QueuedJob(
+        **_common(j), queued_at=j.queued_at.timestamp(), suspensions=j.suspensions,
+        reserved_nodes=tuple(_json(j.reserved_json, ())),
     )
-    return job, reserved
 
 
 def _absorb(jobs: dict[int, sched.QueuedJob], shows: Shown, j) -> None:  # noqa: ANN001
     """One job row read again: in the cache while it is queued and not held, out of it otherwise."""
     if j.state == JobState.QUEUED.value and not j.user_suspended:
-        jobs[j.id], reserved = _queued(j)
-        shows.set(j.id, j.pending_reason, reserved)
+        job = jobs[j.id] = _queued(j)
+        shows.set(j.id, j.pending_reason, job.reserved_nodes)
     else:
         jobs.pop(j.id, None)
         shows.drop(j.id)
@@ -446,8 +449,7 @@ def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
         jobs, shows = queue.jobs, queue.shows
         if full:
             jobs.clear()
-            shows.reasons.clear()
-            shows.reserved.clear()
+            shows.clear()
             queue.full_reads += 1
         ids: list[int] = []
         horizon = next_xid = queued_count = None
