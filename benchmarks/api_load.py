@@ -5,6 +5,9 @@ flight, against
   - the production layout: PostgreSQL, Redis, ``hai server --workers <cores>``, a separate
     ``hai scheduler`` and 4 fake-GPU agents (``hai agent --fake-gpus 8``), and
   - ``hai dev --agents 4`` (embedded SQLite, scheduler thread in the server process),
+and, with ``--only ... pgbouncer``, the production layout with the API processes through PgBouncer
+in transaction mode (``benchmarks/pgbouncer.py``, 8 server connections;
+``HAI_DB__PREPARED_STATEMENTS=false``) and the scheduler connected directly, its CPU reported too;
 each with 0 and 10,000 jobs already queued (inserted before the processes start). When Slurm is
 installed (Debian's slurm-wlm, slurmrestd, munge) the same run starts a private Slurm: its own
 munge key and socket, slurmctld on 127.0.0.1 with 1,250 configured nodes of 8 GPUs, slurmrestd on a
@@ -29,7 +32,7 @@ GPU's figures, ``include=gpu_metrics``), p50/p99 and the server's CPU per reques
 ``--churn RATE`` while the node list changes RATE times a second and every node's heartbeat
 figures are written every second (``Churn``).
 
-    python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only pg sqlite slurm]
+    python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only postgresql pgbouncer sqlite slurm]
                                   [--reads] [--churn RATE] [--profile DIR] [--out benchmarks/results/api_load.json]
 
 PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped and re-created: use a database of your
@@ -128,6 +131,7 @@ class Procs:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.stops: list = []  # other things to stop after the processes (a PgBouncer), last first
 
     def start(self, cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
@@ -153,6 +157,8 @@ class Procs:
                     pass
                 p.wait(timeout=10)
         self.procs.clear()
+        while self.stops:
+            self.stops.pop()()
 
 
 # -- load --------------------------------------------------------------------------------------
@@ -368,8 +374,13 @@ def pg_urls() -> tuple[str, str]:
 QUEUE_LIMIT = {"HAI_LIMITS__MAX_QUEUED_JOBS_PER_USER": "1000000"}
 
 
+KINDS = ("postgresql", "pgbouncer", "sqlite")  # the platform's layouts, in the order they run
+# ``--only pgbouncer``: PgBouncer's server connections to the database (transaction mode)
+PGBOUNCER_POOL = 8
+
+
 @contextmanager
-def production(work: Path, queued: int, workers: int, procs: Procs):
+def production(work: Path, queued: int, workers: int, procs: Procs, pgbouncer: bool = False):
     url, redis_url = pg_urls()
     reset_postgres(url)
     settings = Settings(data_dir=work, db={"url": url}, redis={"url": redis_url})
@@ -377,7 +388,15 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
     seed_jobs(url, users[1:], queued)  # other users' jobs: the submitter stays under its queue limit
     port = free_port()
     env = dict(os.environ, HAI_DB__URL=url, HAI_REDIS__URL=redis_url, HAI_DATA_DIR=str(work), **QUEUE_LIMIT)
-    server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(workers)], env=env,
+    bouncer = None
+    server_env = env
+    if pgbouncer:  # the API through PgBouncer in transaction mode; the scheduler connects directly
+        from pgbouncer import PgBouncer
+
+        bouncer = PgBouncer(url, pool_size=PGBOUNCER_POOL)
+        procs.stops.append(bouncer.stop)
+        server_env = dict(env, HAI_DB__URL=bouncer.url, HAI_DB__PREPARED_STATEMENTS="false")
+    server = procs.start(HAI + ["server", "--port", str(port), "--workers", str(workers)], env=server_env,
                          log=work / "server.log")
     sched = procs.start(HAI + ["scheduler"], env=env, log=work / "scheduler.log")
     base = f"http://127.0.0.1:{port}"
@@ -387,7 +406,8 @@ def production(work: Path, queued: int, workers: int, procs: Procs):
         procs.start(HAI + ["agent", "--server", base, "--token", agent_token, "--node", node, "--zone", zone,
                            "--leaf", leaf, "--fake-gpus", "8", "--state-dir", str(work / "agents" / node),
                            "--address", "127.0.0.1", "--stop-jobs-on-exit", "--ranks-as-agent-user"], env=env, log=work / f"{node}.log")
-    yield base, token, {"server": [server.pid], "scheduler": [sched.pid]}
+    yield base, token, {"server": [server.pid], "scheduler": [sched.pid],
+                        "pgbouncer": [bouncer.proc.pid] if bouncer is not None else []}
 
 
 @contextmanager
@@ -427,7 +447,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
     with tempfile.TemporaryDirectory(prefix=f"hai-api-load-{kind}-") as tmp:
         work = Path(tmp)
         try:
-            ctx = production(work, queued, CORES, procs) if kind == "postgresql" else embedded(work, queued, procs)
+            ctx = (production(work, queued, CORES, procs, pgbouncer=kind == "pgbouncer")
+                   if kind in ("postgresql", "pgbouncer") else embedded(work, queued, procs))
             with ctx as (base, token, pids):
                 wait_for(lambda: nodes_ready(base, token, 4), 180, "4 ready nodes")
                 headers = {"Authorization": f"Bearer {token}"}
@@ -450,7 +471,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     serving = pids["server"] + [c for p in pids["server"] for c in children(p) if not is_agent(c)]
                     quiet = wait_quiet()  # the previous case's work (and the seeding's) done
                     c0, s0 = cpu_s(serving), cpu_s(pids["scheduler"])
-                    pg = kind == "postgresql"
+                    b0 = cpu_s(pids.get("pgbouncer", []))
+                    pg = kind in ("postgresql", "pgbouncer")
                     pg0 = postgresql_cpu_s() if pg else 0.0  # its backends (those that exit too), WAL writer
                     if per > 1:  # POST /api/v1/jobs/batch: n jobs in n / per requests of per jobs
                         out[f"batch_{per}_in_flight_{in_flight}"] = r = post_load(
@@ -464,6 +486,8 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                     r["quiet_before"] = quiet
                     if pg:
                         r["postgresql_cpu_ms_per_job"] = round((postgresql_cpu_s() - pg0) * 1000 / jobs_sent, 2)
+                    if pids.get("pgbouncer"):
+                        r["pgbouncer_cpu_ms_per_job"] = round((cpu_s(pids["pgbouncer"]) - b0) * 1000 / jobs_sent, 2)
                     stop_profiles(spies)
                     with client() as c:  # does the scheduler keep up: its last job considered how late
                         last = c.get("/api/v1/jobs", params={"limit": 1, "user": "bench"}).json()["items"][0]["id"]
@@ -474,6 +498,7 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
                           f"  last job considered +{r['last_considered_after_s']:.2f} s"
                           f"  CPU/job: server {r['server_cpu_ms_per_job']} ms, scheduler {r['scheduler_cpu_ms_per_job']} ms"
                           f"{', PostgreSQL ' + str(r['postgresql_cpu_ms_per_job']) + ' ms' if pg else ''}"
+                          f"{', PgBouncer ' + str(r['pgbouncer_cpu_ms_per_job']) + ' ms' if 'pgbouncer_cpu_ms_per_job' in r else ''}"
                           f", client {r['client_cpu_ms_per_job']} ms"
                           f"{' (' + r['first_error'][:120] + ')' if r['failed'] else ''}  load {r['load']}", flush=True)
         finally:
@@ -785,7 +810,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000, help="submissions per case")
     ap.add_argument("--queued", type=int, nargs="+", default=[0, 10_000])
     ap.add_argument("--only", nargs="+", default=["postgresql", "sqlite", "slurm"],
-                    choices=["postgresql", "sqlite", "slurm"])
+                    choices=["postgresql", "pgbouncer", "sqlite", "slurm"], help=(
+                        "pgbouncer: the production layout with the API through PgBouncer in transaction mode "
+                        f"({PGBOUNCER_POOL} server connections; benchmarks/pgbouncer.py), the scheduler direct"))
     ap.add_argument("--batch", type=int, default=0, help=(
         "also submit the same number of jobs B at a time (POST /api/v1/jobs/batch; Slurm: job arrays of B "
         "tasks by sbatch --array and slurmrestd) at 1 and 8 in flight"))
@@ -809,11 +836,11 @@ def main() -> None:
     if not args.reads_only:
         if "slurm" in args.only:
             results["slurm"] = slurm_case(args.jobs, batch=args.batch) if slurm_installed() else None
-        for kind in ("postgresql", "sqlite"):
+        for kind in KINDS:
             if kind in args.only:
                 results[kind] = [hai_case(kind, q, args.jobs, args.profile, args.batch) for q in args.queued]
         slurm = results.get("slurm")
-        if slurm and ("postgresql" in args.only or "sqlite" in args.only):
+        if slurm and any(k in args.only for k in KINDS):
             # the peer again after the platform's cases: a shared VM's speed moves by minutes (Slurm's
             # own CPU a job ranged 1.3-3.7 ms in one evening), so the ratios are to the mean of a
             # run before and a run after them
@@ -823,7 +850,7 @@ def main() -> None:
             results["slurm_mean"] = {k: v["jobs_per_s"] for k, v in slurm.items() if isinstance(v, dict)}
         if slurm:
             ratios = {}
-            for kind in ("postgresql", "sqlite"):
+            for kind in KINDS:
                 for case in results.get(kind, []):
                     for c in (1, 8):
                         ratios[f"{kind}_q{case['queued_before']}_c{c}"] = round(
@@ -834,7 +861,7 @@ def main() -> None:
             if args.batch > 1:  # a batch of B against a Slurm job array of B tasks, same in-flight
                 b = args.batch
                 arrays = {}
-                for kind in ("postgresql", "sqlite"):
+                for kind in KINDS:
                     for case in results.get(kind, []):
                         for c in (1, 8):
                             arrays[f"{kind}_q{case['queued_before']}_c{c}_batch{b}"] = round(

@@ -28,6 +28,16 @@ class DatabaseSettings(BaseModel):
         "asyncio connections (a pool of its own, up to 6 connections a process) instead of in a worker "
         "thread (issue 12: the thread hop was a fifth of a submission's server CPU); off: in a worker "
         "thread. No effect on SQLite"))
+    prepared_statements: bool = Field(default=True, description=(
+        "PostgreSQL: psycopg prepares a statement on the server after its fifth execution on a "
+        "connection (its default); false: never. Set false behind PgBouncer in transaction mode before "
+        "1.21 (or without max_prepared_statements), which hands each transaction whichever server "
+        "connection is free: a statement prepared on one is unknown to the others"))
+    pool_size: int = Field(default=20, ge=1, description=(
+        "PostgreSQL: connections an API, scheduler or worker process keeps open (SQLAlchemy's pool); "
+        "behind PgBouncer they are PgBouncer's client connections"))
+    max_overflow: int = Field(default=20, ge=0, description=(
+        "PostgreSQL: connections a process may open beyond pool_size under load, closed when returned"))
 
 
 class RedisSettings(BaseModel):

@@ -19,7 +19,15 @@ from hai.db.direct import DirectStatement
 log = logging.getLogger(__name__)
 
 
-def make_engine(url: str, *, echo: bool = False) -> Engine:
+def _pg_connect_args(prepared_statements: bool) -> dict:
+    """psycopg's arguments: ``prepare_threshold=None`` never prepares a statement on the server
+    (behind PgBouncer in transaction mode, ``DatabaseSettings.prepared_statements``)."""
+    return {} if prepared_statements else {"prepare_threshold": None}
+
+
+def make_engine(
+    url: str, *, echo: bool = False, prepared_statements: bool = True, pool_size: int = 20, max_overflow: int = 20
+) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
@@ -66,7 +74,8 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         return engine
     # LIFO: a server hands out its most recently used connections (not pinged, see below) and
     # leaves the rest idle, rather than cycling every request through the whole pool
-    engine = create_engine(url, echo=echo, pool_size=20, max_overflow=20, pool_use_lifo=True)
+    engine = create_engine(url, echo=echo, pool_size=pool_size, max_overflow=max_overflow, pool_use_lifo=True,
+                           connect_args=_pg_connect_args(prepared_statements))
     _ping_idle_connections(engine)
     return engine
 
@@ -191,13 +200,14 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 # -- on the event loop (issue 12) -----------------------------------------------------------------
-def make_loop_engine(url: str, *, echo: bool = False) -> AsyncEngine:
+def make_loop_engine(url: str, *, echo: bool = False, prepared_statements: bool = True) -> AsyncEngine:
     """For a PostgreSQL ``url``: an engine whose connections are psycopg's asyncio connections,
     for work run on an event loop by ``on_loop`` (its pool belongs to the loop that first uses
     it; SQLite's work stays in worker threads). Small: a process's submissions are written by one
     writer at a time (api/jobs.SubmissionGroups). Idle connections are pinged on checkout as in
     ``make_engine``."""
-    engine = create_async_engine(url, echo=echo, pool_size=2, max_overflow=4, pool_use_lifo=True)
+    engine = create_async_engine(url, echo=echo, pool_size=2, max_overflow=4, pool_use_lifo=True,
+                                 connect_args=_pg_connect_args(prepared_statements))
     _ping_idle_connections(engine.sync_engine)
     return engine
 

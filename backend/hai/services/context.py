@@ -42,7 +42,9 @@ class Platform:
     @classmethod
     def from_settings(cls, settings: Settings, *, notifier: Notifier | None = None) -> "Platform":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        engine = make_engine(settings.database_url, echo=settings.db.echo)
+        db = settings.db
+        engine = make_engine(settings.database_url, echo=db.echo, prepared_statements=db.prepared_statements,
+                             pool_size=db.pool_size, max_overflow=db.max_overflow)
         notifier = notifier or make_notifier(settings.redis.url, poll_s=settings.redis.poll_s)
         sessions = make_session_factory(engine)
         _publish_on_commit(sessions, notifier)
@@ -70,7 +72,8 @@ class Platform:
         loop = asyncio.get_running_loop()
         entry = self._loop_engines.get(loop)
         if entry is None:
-            engine = make_loop_engine(self.settings.database_url, echo=self.settings.db.echo)
+            db = self.settings.db
+            engine = make_loop_engine(self.settings.database_url, echo=db.echo, prepared_statements=db.prepared_statements)
             sessions = make_session_factory(engine.sync_engine)
             _publish_on_commit(sessions, self.notifier)
             self._loop_engines[loop] = entry = (engine, sessions, LoopStatements(engine))
