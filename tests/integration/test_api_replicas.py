@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -68,20 +69,25 @@ def follow(url: str, job_id: int, gate: Path, seen_running: list[str]) -> tuple[
     with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(120, connect=10)) as c:
         with c.stream("GET", f"/api/v1/jobs/{job_id}/logs", params={"follow": "true"}) as r:
             assert r.status_code == 200
-            event = None
-            for raw in r.iter_lines():
-                if raw.startswith("event:"):
-                    event = raw.split(":", 1)[1].strip()
-                elif raw.startswith("data:"):
-                    data = raw.split(":", 1)[1].strip()
-                    if event == "log":
-                        lines.append(data)
-                        if "started" in data and not gate.exists():
-                            seen_running.append(c.get(f"/api/v1/jobs/{job_id}").json()["state"])
-                            gate.touch()
-                    elif event == "end":
-                        return lines, data
+            for event, data in sse(r.iter_lines()):
+                if event == "log":
+                    lines.append(data)
+                    if "started" in data and not gate.exists():
+                        seen_running.append(c.get(f"/api/v1/jobs/{job_id}").json()["state"])
+                        gate.touch()
+                elif event == "end":
+                    return lines, data
     raise AssertionError(f"the stream ended without an end event: {lines}")
+
+
+def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, str]]:
+    """(event, data) of each server-sent event's data line, as the lines arrive."""
+    event = None
+    for raw in lines:
+        if raw.startswith("event:"):
+            event = raw.split(":", 1)[1].strip()
+        elif raw.startswith("data:"):
+            yield event, raw.split(":", 1)[1].strip()
 
 
 @pytest.mark.parametrize("with_redis", [True, False], ids=["redis", "polling"])

@@ -27,7 +27,7 @@ from benchmarks.pgbouncer import PgBouncer
 from hai.db.migrate import upgrade
 from hai.db.session import make_engine
 from tests.e2e.conftest import free_port, wait_for
-from tests.integration.test_api_replicas import Procs, _healthy
+from tests.integration.test_api_replicas import Procs, _healthy, sse
 
 ADMIN = "hai_pgbouncer-admin-token-0123456789"
 AGENT = "haiagent_pgbouncer-agent-token-0123456789"
@@ -156,17 +156,12 @@ async def _load(api: str, headers: dict, job: dict) -> tuple[list[int], int]:
 def _followed(api: str, headers: dict, job_id: int) -> tuple[list[str], str]:
     """The job's log followed as server-sent events: its lines and the final state."""
     lines: list[str] = []
-    event = None
     with httpx.stream("GET", f"{api}/api/v1/jobs/{job_id}/logs", params={"follow": "true"}, headers=headers,
                       timeout=60) as r:
         assert r.status_code == 200
-        for raw in r.iter_lines():
-            if raw.startswith("event:"):
-                event = raw.split(":", 1)[1].strip()
-            elif raw.startswith("data:"):
-                data = raw.split(":", 1)[1].strip()
-                if event == "log":
-                    lines.append(data)
-                elif event == "end":
-                    return lines, data
+        for event, data in sse(r.iter_lines()):
+            if event == "log":
+                lines.append(data)
+            elif event == "end":
+                return lines, data
     raise AssertionError(f"the stream ended without an end event: {lines}")
