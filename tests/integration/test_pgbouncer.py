@@ -26,6 +26,8 @@ from sqlalchemy.exc import ProgrammingError
 from benchmarks.pgbouncer import PgBouncer
 from hai.db.migrate import upgrade
 from hai.db.session import make_engine
+from hai.services.context import Platform
+from hai.settings import Settings
 from tests.e2e.conftest import free_port, wait_for
 from tests.integration.test_api_replicas import Procs, _healthy, sse
 
@@ -67,6 +69,23 @@ def test_a_prepared_statement_is_lost_behind_transaction_pooling_unless_turned_o
             b.rollback()
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "never-prepared"])
+def test_a_process_opens_its_connections_as_the_settings_say(prepared, pg_url, tmp_path):
+    """``HAI_DB__POOL_SIZE`` / ``MAX_OVERFLOW`` size the process's pool and
+    ``HAI_DB__PREPARED_STATEMENTS`` reaches psycopg's connections (the event loop's pool is
+    covered by the test below: its submissions fail through PgBouncer if it is left out)."""
+    settings = Settings(data_dir=tmp_path, db={"url": pg_url, "pool_size": 3, "max_overflow": 1,
+                                               "prepared_statements": prepared})
+    platform = Platform.from_settings(settings)
+    try:
+        pool = platform.engine.pool
+        assert (pool.size(), pool._max_overflow) == (3, 1)
+        with platform.engine.connect() as conn:
+            assert conn.connection.dbapi_connection.prepare_threshold == (5 if prepared else None)
+    finally:
+        platform.close()
 
 
 def test_the_platform_through_pgbouncer_in_transaction_mode(pg_url, redis_url, bouncer, tmp_path):
