@@ -85,6 +85,89 @@ def test_the_tail_state_survives_a_restart_without_reusing_a_seq(tmp_path):
         (0, "stdout", "a"), (1, "stdout", "b"), (2, "stderr", "E"), (3, "stdout", "c")]
 
 
+def test_lines_not_shipped_before_a_restart_are_offered_again_under_their_seqs(tmp_path):
+    buf = LogBuffer()
+    t = _tail(tmp_path, streams=("stdout", "stderr"))
+    (tmp_path / "0.stdout").write_text("a\nb\n")
+    (tmp_path / "0.stderr").write_text("E\n")
+    tail_attempt(t, buf, final=False)
+    read = buf.take(100, 1 << 20, 0)
+    t.shipped(read[:2])  # a and b delivered, E not yet
+    with open(tmp_path / "0.stdout", "a") as fh:
+        fh.write("c\n")
+    t2 = _tail(tmp_path, streams=("stdout", "stderr"))  # the agent killed and started again
+    t2.load()
+    assert [(ln.seq, ln.stream, ln.line) for ln in t2.unshipped_lines()] == [(2, "stderr", "E")]
+    tail_attempt(t2, buf, final=False)
+    assert [(ln.seq, ln.line) for ln in buf.take(100, 1 << 20, 0)] == [(3, "c")]
+    t2.shipped([read[2]])
+    t3 = _tail(tmp_path, streams=("stdout", "stderr"))
+    t3.load()
+    assert [(ln.rank, ln.seq) for ln in t3.unshipped_lines()] == [(0, 3)]  # c is still on its way; E no longer
+
+
+def test_a_line_journaled_after_the_last_saved_offsets_is_read_again_not_offered_twice(tmp_path):
+    """Killed between journaling a round's lines and saving its offsets: the lines were never
+    offered (the offer comes after the save), so they are read again from the file, with the
+    same seqs, and not offered from the journal as well."""
+    buf = LogBuffer()
+    t = _tail(tmp_path)
+    (tmp_path / "0.stdout").write_text("x\ny\n")
+    tail_attempt(t, buf, final=False)
+    (tmp_path / "logstate.json").write_text("{}")  # as if the save had not happened
+    t2 = _tail(tmp_path)
+    t2.load()
+    assert t2.unshipped_lines() == []
+    buf2 = LogBuffer()
+    tail_attempt(t2, buf2, final=False)
+    assert [(ln.seq, ln.line) for ln in buf2.take(100, 1 << 20, 0)] == [(0, "x"), (1, "y")]
+
+
+def test_a_journal_write_cut_short_by_the_kill_is_read_up_to_its_last_whole_run(tmp_path):
+    """Killed while journaling a round (so before its offsets were saved): the whole runs before
+    it are offered again, the cut one is read again from the files."""
+    buf = LogBuffer()
+    t = _tail(tmp_path)
+    out = tmp_path / "0.stdout"
+    out.write_text("a\nb\n")
+    tail_attempt(t, buf, final=False)
+    state_after_first = (tmp_path / "logstate.json").read_bytes()
+    with open(out, "a") as fh:
+        fh.write("c\nd\n")
+    tail_attempt(t, buf, final=False)
+    journal = tmp_path / "logstate.json.unshipped"
+    journal.write_bytes(journal.read_bytes()[:-3])  # the second round's write, cut
+    (tmp_path / "logstate.json").write_bytes(state_after_first)  # and its save never happened
+    t2 = _tail(tmp_path)
+    t2.load()
+    assert [(ln.seq, ln.line) for ln in t2.unshipped_lines()] == [(0, "a"), (1, "b")]
+    buf2 = LogBuffer()
+    tail_attempt(t2, buf2, final=False)
+    assert [(ln.seq, ln.line) for ln in buf2.take(100, 1 << 20, 0)] == [(2, "c"), (3, "d")]
+    t3 = _tail(tmp_path)  # killed again: the journal goes on past the cut
+    t3.load()
+    assert [(ln.seq, ln.line) for ln in t3.unshipped_lines()] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+
+
+def test_the_journal_keeps_only_what_is_not_shipped(tmp_path):
+    buf = LogBuffer(max_lines=20000)
+    t = _tail(tmp_path)
+    journal = tmp_path / "logstate.json.unshipped"
+    (tmp_path / "0.stdout").write_text("".join(f"{i}\n" for i in range(10000)))
+    tail_attempt(t, buf, final=False)
+    lines = buf.take(10000, 64 << 20, 0)
+    full = journal.stat().st_size
+    t.shipped(lines[:2000])  # a batch: its mark appended
+    assert journal.stat().st_size > full
+    t.shipped(lines[2000:9000])  # mostly shipped: rewritten with the 1,000 left
+    assert journal.stat().st_size < full / 5
+    again = _tail(tmp_path)
+    again.load()
+    assert [ln.seq for ln in again.unshipped_lines()] == list(range(9000, 10000))
+    t.shipped(lines[9000:])
+    assert journal.read_text() == "" and t.unshipped_lines() == []
+
+
 def test_very_long_lines_are_cut_not_buffered_forever(tmp_path):
     buf = LogBuffer()
     t = _tail(tmp_path)

@@ -56,6 +56,7 @@ def test_a_restarted_agent_reattaches_picks_up_the_exit_and_never_launches_twice
     wait_for(lambda: len(buf_a) >= 2, step=a.tail_logs, what="first lines")
     first = buf_a.take(10, 1 << 20, 0)
     assert [(ln.seq, ln.line) for ln in first] == [(0, "before 1"), (1, "before 2")]
+    a.shipped(first)  # the shipper delivered them
     wrapper = a.attempts[(1, 0)].ranks[0].pid
     job_pid = int(started.read_text())
     del a  # the agent dies (nothing is stopped)
@@ -171,3 +172,29 @@ def test_a_suspend_in_progress_survives_an_agent_restart(tmp_path):
     st = _status(b)
     assert st.suspend_ready and st.stop_cause == "suspend" and st.checkpoint.step == 5
     assert st.checkpoint.path == "/ck/x.pt"
+
+
+def test_lines_read_but_not_shipped_when_the_agent_died_are_shipped_after_its_restart(tmp_path, job):
+    """The agent is killed with lines in its buffer (read from the rank's files, the offsets past
+    them saved): after the restart they are offered again under their seqs (the server keeps one
+    copy of each seq), then the job's later lines continue the sequence."""
+    script, started, go = job
+    state = tmp_path / "state"
+    buf_a = LogBuffer()
+    a = _agent(state, buf_a)
+    a.apply([assignment(1, [PY, str(script)], job_type="torch", gpus=[1])])
+    wait_for(started.exists, step=a.tick, what="job start")
+    wait_for(lambda: len(buf_a) >= 2, step=a.tail_logs, what="first lines")
+    taken = buf_a.take(10, 1 << 20, 0)
+    a.shipped(taken[:1])  # "before 1" reached the server; "before 2" was on its way
+    del a  # killed
+
+    buf_b = LogBuffer()
+    b = _agent(state, buf_b)
+    b.recover()
+    again = buf_b.take(10, 1 << 20, 0)
+    assert [(ln.seq, ln.stream, ln.line) for ln in again] == [(1, "stdout", "before 2")]
+    go.touch()
+    wait_for(lambda: _status(b).finished, step=b.tick, what="exit picked up")
+    wait_for(lambda: b.attempts[(1, 0)].drained, step=b.tail_logs, what="tail drained")
+    assert [(ln.seq, ln.line) for ln in buf_b.take(10, 1 << 20, 0)] == [(2, "after")]

@@ -8,6 +8,12 @@ A tailer reads new complete lines from those files (persisting read offsets and 
 buffer; the shipper drains the buffer in batches to the server. A job is never blocked by log
 shipping: when the buffer is full, lines are dropped and counted, and the count is announced
 in-band as a ``system`` line ``[hai] N lines dropped (log buffer full)`` in the same sequence.
+
+A line read but not yet shipped is kept on disk too, with its seq (``AttemptTail.journal``,
+beside the offsets), until the shipper delivered it: an agent killed in between offers it again
+after its restart under the same seq, and the server keeps one copy of each (job, attempt,
+rank, seq). Before, the offsets moved past a line as soon as it was read, and a line still in
+the buffer when the agent died was lost.
 """
 
 from __future__ import annotations
@@ -18,14 +24,20 @@ import logging
 import os
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import attrgetter
 
 from hai.protocol import LogLine
 
 log = logging.getLogger("hai.agent.logs")
 
+_RANK = attrgetter("rank")
+_SEQ = attrgetter("seq")
+_RUN = attrgetter("rank", "stream", "ts")  # a run of the journal: lines of one rank, stream and read
 MAX_LINE_BYTES = 16 * 1024  # longer lines are cut (the rest becomes the next line)
 LINE_OVERHEAD = 128  # a line's JSON fields besides its text, counted in a batch's size
 READ_CHUNK = 1 << 20  # bytes read per file per round
@@ -140,6 +152,80 @@ class AttemptTail:
     lines_total: int = 0
     dropped_total: int = 0
     save_error: str | None = None  # the last save that failed on a full folder (issue 13)
+    # per rank: the lines offered to the buffer and not yet shipped, in seq order (also in the
+    # journal file, ``journal_path``)
+    unshipped: dict[int, list[LogLine]] = field(default_factory=dict)
+    _journaled: int = 0  # lines in the journal file (shipped ones too, until it is rewritten)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def journal_path(self) -> str:
+        return self.state_path + ".unshipped"
+
+    def unshipped_lines(self) -> list[LogLine]:
+        with self._lock:
+            return [ln for q in self.unshipped.values() for ln in q]
+
+    def journal(self, lines: list[LogLine]) -> None:
+        """Keep ``lines`` (about to be offered) until they are shipped: appended to the journal
+        file before the offsets that read them are saved. On a full folder they stay in memory."""
+        with self._lock:
+            for rank, some in groupby(lines, _RANK):
+                q = self.unshipped.get(rank)
+                if q is None:
+                    q = self.unshipped[rank] = []
+                q.extend(some)
+            self._write(lines, append=True)
+
+    def shipped(self, lines: list[LogLine]) -> None:
+        """The shipper delivered ``lines`` (or dropped them for good): out of the journal. A
+        rank's lines leave in seq order (one FIFO buffer), so the journal records how far each
+        rank was shipped (``{"shipped": {rank: seq}}``); the file is emptied once nothing is
+        left and rewritten when mostly shipped lines remain."""
+        upto = {ln.rank: ln.seq for ln in lines}  # (in seq order: the last of each rank is its highest)
+        with self._lock:
+            left = 0
+            for rank, q in self.unshipped.items():
+                last = upto.get(rank)
+                if last is not None and q:
+                    del q[:bisect_right(q, last, key=_SEQ)]
+                left += len(q)
+            if not self._journaled:
+                return
+            if not left:
+                self._write([], append=False)
+            elif self._journaled > 4 * left + 4096:
+                self._write([ln for q in self.unshipped.values() for ln in q], append=False)
+            else:
+                self._write([], append=True, shipped=upto)
+
+    def _write(self, lines: list[LogLine], *, append: bool, shipped: dict[int, int] | None = None) -> None:
+        """Each run of lines of one rank, stream and read (consecutive seqs) as a header
+        ``{"run": [rank, stream, ts, first seq, count]}`` and its texts, one a line (a text
+        holds no newline: lines are split at them)."""
+        parts: list[str] = []
+        for (rank, stream, ts), group in groupby(lines, _RUN):
+            run = list(group)
+            parts.append(json.dumps({"run": [rank, stream, ts, run[0].seq, len(run)]}))
+            parts.extend(ln.line for ln in run)
+        if shipped:
+            parts.append(json.dumps({"shipped": shipped}))
+        text = "\n".join(parts) + "\n" if parts else ""
+        try:
+            if append:
+                with open(self.journal_path, "a", encoding="utf-8") as f:
+                    f.write(text)
+                self._journaled += len(lines)
+            else:
+                tmp = self.journal_path + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, self.journal_path)
+                self._journaled = len(lines)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.save_error = e.strerror or str(e)
 
     def save(self) -> None:
         """Persist the offsets and seqs. On a full folder (issue 13) they stay in memory (the
@@ -183,6 +269,49 @@ class AttemptTail:
             r.dropped = int(rs.get("dropped", 0))
             for s in r.streams:
                 s.offset = int(rs.get("offsets", {}).get(s.stream, 0))
+        self._load_journal()
+
+    def _load_journal(self) -> None:
+        """The lines read before the restart and not shipped: those whose seq the saved state
+        counts (a line journaled after the last save was never offered; it is read again) and
+        past the last ``shipped`` mark of their rank."""
+        try:
+            with open(self.journal_path, encoding="utf-8", newline="\n") as f:
+                rows = f.read().split("\n")
+        except OSError:
+            return
+        shipped_to: dict[int, int] = {}  # rank -> the last seq shipped
+        kept: list[LogLine] = []
+        i, n = 0, len(rows) - 1  # (the text after the last newline: nothing, or a cut write)
+        while i < n:
+            try:
+                head = json.loads(rows[i])
+                if "shipped" in head:
+                    for rank, seq in head["shipped"].items():
+                        shipped_to[int(rank)] = max(int(seq), shipped_to.get(int(rank), -1))
+                    i += 1
+                    continue
+                rank, stream, ts, first, count = head["run"]
+            except (ValueError, KeyError, TypeError):  # not a header: a write cut short by the kill
+                break
+            texts = rows[i + 1:i + 1 + count]
+            if len(texts) < count:
+                break  # cut short: never offered (the offer comes after the save)
+            i += 1 + count
+            self._journaled += count
+            r = self.ranks.get(rank)
+            if r is None:
+                continue
+            kept.extend(LogLine(job_id=self.job_id, attempt=self.attempt, rank=rank, seq=first + k, ts=ts,
+                                stream=stream, line=text) for k, text in enumerate(texts) if first + k < r.seq)
+        for ln in kept:
+            if ln.seq > shipped_to.get(ln.rank, -1):
+                q = self.unshipped.get(ln.rank)
+                if q is None:
+                    q = self.unshipped[ln.rank] = []
+                q.append(ln)
+        # written again with only those: no shipped line, no entry cut short for later ones to follow
+        self._write([ln for q in self.unshipped.values() for ln in q], append=False)
 
 
 def _split_lines(data: bytes, final: bool) -> tuple[list[bytes], int]:
@@ -209,10 +338,11 @@ def _split_lines(data: bytes, final: bool) -> tuple[list[bytes], int]:
 
 def tail_attempt(t: AttemptTail, buf: LogBuffer, *, final: bool, now: Callable[[], float] = time.time,
                  max_file_bytes: int | None = 256 << 20) -> tuple[int, bool]:
-    """One round over the attempt's files: read new lines, give them seqs, persist the tail
-    state, then offer them to the buffer (lines that do not fit are dropped and counted; the
-    drop marker goes out as soon as there is room). Persisting before offering means a line that
-    may have been shipped never gets a second seq after an agent restart.
+    """One round over the attempt's files: read new lines, give them seqs, journal them, persist
+    the tail state, then offer them to the buffer (lines that do not fit are dropped and counted;
+    the drop marker goes out as soon as there is room). Persisting before offering means a line
+    that may have been shipped never gets a second seq after an agent restart; the journal, that
+    a line not yet shipped is offered again after one (``AttemptTail.unshipped``).
 
     ``final``: the ranks have ended, so a last line without a newline is complete too.
     Returns (lines read, whether everything in the files has been consumed)."""
@@ -292,6 +422,8 @@ def tail_attempt(t: AttemptTail, buf: LogBuffer, *, final: bool, now: Callable[[
     if read:
         t.last_output_at = now()
         t.lines_total += read
+    if out:
+        t.journal(out)
     if changed:
         t.save()
     if out:
@@ -314,10 +446,11 @@ class LogShipper(threading.Thread):
 
     def __init__(self, buf: LogBuffer, send: Callable[[list[LogLine]], None], *,
                  stop: threading.Event, batch_lines: int = 2000, batch_bytes: int = 512 << 10,
-                 backoff_max_s: float = 10.0):
+                 backoff_max_s: float = 10.0, shipped: Callable[[list[LogLine]], None] | None = None):
         super().__init__(name="hai-agent-logs", daemon=True)
         self.buf = buf
         self.send = send
+        self.on_shipped = shipped  # told of every line delivered or dropped for good (the journal)
         self.stop = stop
         self.batch_lines = batch_lines
         self.batch_bytes = batch_bytes
@@ -334,6 +467,14 @@ class LogShipper(threading.Thread):
         finally:
             with self.buf._cond:
                 self.buf.consumers -= 1
+
+    def _delivered(self, lines: list[LogLine]) -> None:
+        if self.on_shipped is not None:
+            try:
+                self.on_shipped(lines)
+            except Exception:  # the journal is a safety net: shipping goes on without it
+                log.exception("recording shipped log lines")
+        self.buf.ack(len(lines))
 
     def _run(self) -> None:
         pending: list[LogLine] = []
@@ -358,7 +499,7 @@ class LogShipper(threading.Thread):
                         continue
                     log.warning("the server refused a log line of job %s as too large; dropped", pending[0].job_id)
                     self.refused += 1
-                    self.buf.ack(1)
+                    self._delivered(pending[:1])
                     pending = pending[1:]
                     n = len(pending)
                     continue
@@ -368,7 +509,7 @@ class LogShipper(threading.Thread):
                 backoff = min(backoff * 2, self.backoff_max_s)
                 continue
             self.shipped += n
-            self.buf.ack(n)
+            self._delivered(pending[:n])
             pending = pending[n:]
             n = min(len(pending), max(n, 1))
             backoff = 0.2

@@ -344,7 +344,8 @@ class Agent:
         poll_client = AgentClient(self.server, self.token)
         self._log_client = AgentClient(self.server, self.token)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hai-agent-poll")
-        shipper = LogShipper(self.buf, self._send_logs, stop=self._ship_stop, backoff_max_s=self.backoff_max_s)
+        shipper = LogShipper(self.buf, self._send_logs, stop=self._ship_stop, backoff_max_s=self.backoff_max_s,
+                             shipped=self.node.shipped)
         threads = []
         try:
             self.node.recover()

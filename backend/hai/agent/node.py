@@ -27,7 +27,7 @@ from hai.agent.gpu import GpuBackend
 from hai.agent.logs import LogBuffer, tail_attempt
 from hai.agent.procs import SIGKILL_EXIT, exit_code_from_returncode, is_alive, signal_group
 from hai.agent.users import UnmappedUser, UserMap, own_private
-from hai.protocol import Assignment, AttemptStatus, DesiredAction, GpuMetrics, NicInfo, StopCause
+from hai.protocol import Assignment, AttemptStatus, DesiredAction, GpuMetrics, LogLine, NicInfo, StopCause
 
 log = logging.getLogger("hai.agent")
 
@@ -159,6 +159,8 @@ class NodeAgent:
                 reattach(att, now=now)
                 self.store.save(att)
                 self.attempts[att.key] = att
+                if att.tail is not None:  # lines read before the restart and never shipped
+                    self.buf.offer_many(att.tail.unshipped_lines())
                 log.info("reattached job %s attempt %s: %s", att.job_id, att.attempt,
                          ", ".join(f"rank {r.rank} " + ("exited %s" % r.exit_code if r.ended else f"pid {r.pid}")
                                    for r in att.ranks) or "no ranks")
@@ -496,6 +498,17 @@ class NodeAgent:
                     continue
                 total += self._tail(att, final)
         return total
+
+    def shipped(self, lines: list[LogLine]) -> None:
+        """The log shipper delivered ``lines``: out of their attempts' journals (``LogShipper``'s
+        ``shipped``; called from its thread)."""
+        by_attempt: dict[tuple[int, int], list[LogLine]] = {}
+        for ln in lines:
+            by_attempt.setdefault((ln.job_id, ln.attempt), []).append(ln)
+        for key, some in by_attempt.items():
+            att = self.attempts.get(key)
+            if att is not None and att.tail is not None:
+                att.tail.shipped(some)
 
     def _tail(self, att: Attempt, final: bool) -> int:
         """One tail round of ``att`` (the caller holds ``_tail_lock``); ``final``: its ranks
