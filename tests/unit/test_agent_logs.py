@@ -69,14 +69,22 @@ def test_drops_are_counted_and_announced_in_the_same_sequence(tmp_path):
     assert t.dropped_total == 7
 
 
-def test_the_tail_state_survives_a_restart_without_reusing_a_seq(tmp_path):
+def _read_then_more(tmp_path, then=None) -> LogBuffer:  # noqa: ANN001
+    """A round over stdout "a", "b" and stderr "E"; ``then(t, buf)``; then "c" on stdout."""
     buf = LogBuffer()
     t = _tail(tmp_path, streams=("stdout", "stderr"))
     (tmp_path / "0.stdout").write_text("a\nb\n")
     (tmp_path / "0.stderr").write_text("E\n")
     tail_attempt(t, buf, final=False)
+    if then is not None:
+        then(t, buf)
     with open(tmp_path / "0.stdout", "a") as fh:
         fh.write("c\n")
+    return buf
+
+
+def test_the_tail_state_survives_a_restart_without_reusing_a_seq(tmp_path):
+    buf = _read_then_more(tmp_path)
     t2 = _tail(tmp_path, streams=("stdout", "stderr"))  # a new agent process
     t2.load()
     tail_attempt(t2, buf, final=False)
@@ -86,15 +94,13 @@ def test_the_tail_state_survives_a_restart_without_reusing_a_seq(tmp_path):
 
 
 def test_lines_not_shipped_before_a_restart_are_offered_again_under_their_seqs(tmp_path):
-    buf = LogBuffer()
-    t = _tail(tmp_path, streams=("stdout", "stderr"))
-    (tmp_path / "0.stdout").write_text("a\nb\n")
-    (tmp_path / "0.stderr").write_text("E\n")
-    tail_attempt(t, buf, final=False)
-    read = buf.take(100, 1 << 20, 0)
-    t.shipped(read[:2])  # a and b delivered, E not yet
-    with open(tmp_path / "0.stdout", "a") as fh:
-        fh.write("c\n")
+    read: list[LogLine] = []
+
+    def ship_two(t, buf) -> None:  # noqa: ANN001
+        read.extend(buf.take(100, 1 << 20, 0))
+        t.shipped(read[:2])  # a and b delivered, E not yet
+
+    buf = _read_then_more(tmp_path, ship_two)
     t2 = _tail(tmp_path, streams=("stdout", "stderr"))  # the agent killed and started again
     t2.load()
     assert [(ln.seq, ln.stream, ln.line) for ln in t2.unshipped_lines()] == [(2, "stderr", "E")]
