@@ -1,7 +1,7 @@
 """A throwaway PgBouncer in transaction mode in front of a PostgreSQL server (issue 12: the API
 replicas behind a connection pooler, benchmarks/README.md "What 10,000 nodes would need").
 
-Used by ``tests/integration/test_pgbouncer.py`` and ``api_load.py --pgbouncer``. Debian's
+Used by ``tests/integration/test_pgbouncer.py`` and ``api_load.py --only ... pgbouncer``. Debian's
 ``pgbouncer`` package (1.18 in Debian 12); trust authentication, 127.0.0.1 only, a spare port, its
 files in a directory of its own; run as the ``postgres`` user when started by root (PgBouncer
 refuses to run as root). Only the process started here is stopped, by its id.
