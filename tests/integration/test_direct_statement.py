@@ -214,3 +214,26 @@ def test_an_idle_dead_statement_connection_is_pinged_and_replaced(engine, pg_url
         return (await statements.first(_DIRECT, _params("after"))).name, statements.connects
 
     assert _on_loop(pg_url, scenario) == ("after", 2)  # no error: the ping found it dead first
+
+
+def test_a_server_refusing_the_statement_connection_is_raised_as_unavailable() -> None:
+    """No connection held and the server refusing a new one (PostgreSQL stopped: the fault test's
+    submission after ``pg_ctl stop``): the driver's error is raised as SQLAlchemy's
+    OperationalError, which the API answers 503, as its ``Connection`` raises it; the raw pool let
+    psycopg's own through and the API answered 500."""
+    import socket
+
+    from hai.api.errors import database_unavailable
+
+    with socket.socket() as closed:  # bound, never listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"postgresql+psycopg://postgres@127.0.0.1:{closed.getsockname()[1]}/nowhere"
+
+        async def scenario(statements):  # noqa: ANN001, ANN202
+            with pytest.raises(OperationalError) as failed:
+                await statements.first(_DIRECT, _params("refused"))
+            return failed.value, statements._held, statements.connects
+
+        refused, held, connects = _on_loop(url, scenario)
+    assert "refused" in str(refused.orig) and database_unavailable(refused)
+    assert held is None and connects == 0

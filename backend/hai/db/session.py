@@ -252,7 +252,15 @@ class LoopStatements:
                 await self._drop()
                 held = None
         if held is None:
-            held = await self.engine.raw_connection()  # (the pool pings one idle there, as for any checkout)
+            try:  # (the pool pings one idle there, as for any checkout)
+                held = await self.engine.raw_connection()
+            except self.dialect.loaded_dbapi.Error as exc:
+                # the server refused or dropped the new connection: raised as SQLAlchemy's own
+                # Connection raises it (an OperationalError, the API's 503), not as the driver's
+                # error, which the raw pool lets through (and the API answered 500)
+                lost = self.dialect.is_disconnect(exc, None, None)
+                raise DBAPIError.instance(None, None, exc, self.dialect.loaded_dbapi.Error,
+                                          dialect=self.dialect, connection_invalidated=lost) from exc
             try:
                 await held.driver_connection.set_autocommit(True)
             except BaseException as exc:
