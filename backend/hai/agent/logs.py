@@ -164,17 +164,17 @@ class AttemptTail:
 
     def unshipped_lines(self) -> list[LogLine]:
         with self._lock:
-            return [ln for q in self.unshipped.values() for ln in q]
+            return self._all_unshipped()
+
+    def _all_unshipped(self) -> list[LogLine]:
+        return [ln for q in self.unshipped.values() for ln in q]
 
     def journal(self, lines: list[LogLine]) -> None:
         """Keep ``lines`` (about to be offered) until they are shipped: appended to the journal
         file before the offsets that read them are saved. On a full folder they stay in memory."""
         with self._lock:
             for rank, some in groupby(lines, _RANK):
-                q = self.unshipped.get(rank)
-                if q is None:
-                    q = self.unshipped[rank] = []
-                q.extend(some)
+                self.unshipped.setdefault(rank, []).extend(some)
             self._write(lines, append=True)
 
     def shipped(self, lines: list[LogLine]) -> None:
@@ -195,7 +195,7 @@ class AttemptTail:
             if not left:
                 self._write([], append=False)
             elif self._journaled > 4 * left + 4096:
-                self._write([ln for q in self.unshipped.values() for ln in q], append=False)
+                self._write(self._all_unshipped(), append=False)
             else:
                 self._write([], append=True, shipped=upto)
 
@@ -223,9 +223,13 @@ class AttemptTail:
                 os.replace(tmp, self.journal_path)
                 self._journaled = len(lines)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self.save_error = e.strerror or str(e)
+            self._full(e)
+
+    def _full(self, e: OSError) -> None:
+        """A write that failed on a full folder is remembered (issue 13); any other error is raised."""
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise e
+        self.save_error = e.strerror or str(e)
 
     def save(self) -> None:
         """Persist the offsets and seqs. On a full folder (issue 13) they stay in memory (the
@@ -245,9 +249,7 @@ class AttemptTail:
                 json.dump(data, f)
             os.replace(tmp, self.state_path)
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self.save_error = e.strerror or str(e)
+            self._full(e)
             try:
                 os.unlink(tmp)
             except OSError:
@@ -306,12 +308,9 @@ class AttemptTail:
                                 stream=stream, line=text) for k, text in enumerate(texts) if first + k < r.seq)
         for ln in kept:
             if ln.seq > shipped_to.get(ln.rank, -1):
-                q = self.unshipped.get(ln.rank)
-                if q is None:
-                    q = self.unshipped[ln.rank] = []
-                q.append(ln)
+                self.unshipped.setdefault(ln.rank, []).append(ln)
         # written again with only those: no shipped line, no entry cut short for later ones to follow
-        self._write([ln for q in self.unshipped.values() for ln in q], append=False)
+        self._write(self._all_unshipped(), append=False)
 
 
 def _split_lines(data: bytes, final: bool) -> tuple[list[bytes], int]:
