@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 
-import psycopg
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -25,11 +24,8 @@ DB_RETRY_AFTER_S = 5
 
 def database_unavailable(exc: Exception) -> bool:
     """The database cannot be reached (down, restarting, connection dropped, pool exhausted),
-    as opposed to a bug in a query. Also the driver's own OperationalError, should one reach
-    the API untranslated (a connection taken outside SQLAlchemy's ``Connection``, as
-    ``db.session.LoopStatements`` once let through: the API answered 500 while PostgreSQL was
-    down)."""
-    if isinstance(exc, (OperationalError, PoolTimeout, psycopg.OperationalError)):
+    as opposed to a bug in a query."""
+    if isinstance(exc, (OperationalError, PoolTimeout)):
         return True
     return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
@@ -53,15 +49,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(DBAPIError)
     @app.exception_handler(PoolTimeout)
-    @app.exception_handler(psycopg.OperationalError)
     async def _database_error(request: Request, exc: Exception) -> JSONResponse:
         # issue 13: the database away (restarted, failed over) is a 503 with a clear message and
         # Retry-After, never a 500 with a traceback; the transaction was rolled back
         if not database_unavailable(exc):
             raise exc
-        if isinstance(exc, psycopg.Error):  # a path that should have translated it: say which
-            log.error("the driver's error reached the API untranslated during %s %s",
-                      request.method, request.url.path, exc_info=exc)
         log.warning("database unavailable during %s %s: %s", request.method, request.url.path,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return JSONResponse({"detail": DB_UNAVAILABLE}, status_code=503,
