@@ -116,7 +116,7 @@ class DirectStatement:
             await cursor.execute(sql, values)
             return await self._first_of(dialect, cursor)
         except dialect.loaded_dbapi.Error as exc:
-            raise _translated(dialect, driver_connection, cursor, sql, values, exc) from exc
+            raise translated(dialect, exc, driver_connection, cursor, sql, values) from exc
         finally:
             await cursor.close()
 
@@ -144,7 +144,7 @@ class DirectStatement:
                 for (statement, sql, values), cursor in zip(sent, cursors):
                     rows.append(await statement._first_of(dialect, cursor))
         except dialect.loaded_dbapi.Error as exc:
-            raise _translated(dialect, driver_connection, None, sql, values, exc) from exc
+            raise translated(dialect, exc, driver_connection, None, sql, values) from exc
         finally:
             for cursor in cursors:
                 await cursor.close()
@@ -173,10 +173,12 @@ class DirectStatement:
         return self._execute(conn, params, fetch=False)[2]
 
 
-def _translated(dialect, driver_connection, cursor, sql: str, values, exc: Exception) -> DBAPIError:  # noqa: ANN001
-    """A driver error on a connection no SQLAlchemy connection wraps, as SQLAlchemy raises it
-    (IntegrityError, OperationalError, ...), marked ``connection_invalidated`` where the dialect
-    calls it a disconnect."""
+def translated(dialect, exc: Exception, driver_connection=None, cursor=None, sql: str | None = None,  # noqa: ANN001
+               values=None) -> DBAPIError:  # noqa: ANN001
+    """A driver error on a connection no SQLAlchemy connection wraps (or raised taking one from
+    the raw pool: ``driver_connection`` None), as SQLAlchemy raises it (IntegrityError,
+    OperationalError, ...), marked ``connection_invalidated`` where the dialect calls it a
+    disconnect."""
     lost = dialect.is_disconnect(exc, driver_connection, cursor)
     return DBAPIError.instance(sql, values, exc, dialect.loaded_dbapi.Error, dialect=dialect,
                                connection_invalidated=lost)

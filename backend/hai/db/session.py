@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.util import greenlet_spawn
 
-from hai.db.direct import DirectStatement
+from hai.db.direct import DirectStatement, translated
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +258,7 @@ class LoopStatements:
                 # the server refused or dropped the new connection: raised as SQLAlchemy's own
                 # Connection raises it (an OperationalError, the API's 503), not as the driver's
                 # error, which the raw pool lets through (and the API answered 500)
-                lost = self.dialect.is_disconnect(exc, None, None)
-                raise DBAPIError.instance(None, None, exc, self.dialect.loaded_dbapi.Error,
-                                          dialect=self.dialect, connection_invalidated=lost) from exc
+                raise translated(self.dialect, exc) from exc
             try:
                 await held.driver_connection.set_autocommit(True)
             except BaseException as exc:
