@@ -62,11 +62,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "backend"))
 
 import httpx  # noqa: E402
-from sqlalchemy import create_engine, insert, text  # noqa: E402
+from sqlalchemy import create_engine, insert, select, text  # noqa: E402
 
 from hai.db.base import utcnow  # noqa: E402
 from hai.db.migrate import upgrade  # noqa: E402
-from hai.db.models import Job, Node  # noqa: E402
+from hai.db.models import GpuHold, Job, JobAllocation, Node  # noqa: E402
 from hai.services import auth  # noqa: E402
 from hai.services.context import Platform  # noqa: E402
 from hai.settings import Settings  # noqa: E402
@@ -255,9 +255,11 @@ def seed_users(settings: Settings) -> tuple[str, str, list[tuple[int, str]]]:
 
 
 def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[str] | None = None,
-              nodes: list[str] | None = None, seed: int = 12) -> None:
-    """``n`` jobs inserted in bulk (states cycle through ``states``; default all queued), one
-    'submitted' event each, and an allocation (and a second event) for every job that started."""
+              nodes: list[str] | None = None, seed: int = 12, gpus: int = 1, prefix: str = "pre") -> None:
+    """``n`` jobs of ``gpus`` GPUs on one node inserted in bulk, named ``<prefix>-<i>`` (states
+    cycle through ``states``; default all queued), one 'submitted' event each, and for every job
+    that started a second event and an allocation on one of ``nodes`` (with its held GPUs'
+    rows, ``gpu_holds``, while it holds them)."""
     if n <= 0:
         return
     rng = random.Random(seed)
@@ -271,35 +273,51 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
         created = now - timedelta(seconds=n - i)
         started = created + timedelta(seconds=1) if state != "queued" else None
         rows.append(dict(
-            name=f"pre-{i}", user_id=uid, user_name=uname, group="bench", command=["sleep", "3600"], env={}, tags=[],
-            job_type="command", nodes=1, gpus_per_node=1, priority=rng.choice(["LOW", "NORMAL", "NORMAL", "HIGH"]),
+            name=f"{prefix}-{i}", user_id=uid, user_name=uname, group="bench", command=["sleep", "3600"], env={},
+            tags=[], job_type="command", nodes=1, gpus_per_node=gpus,
+            priority=rng.choice(["LOW", "NORMAL", "NORMAL", "HIGH"]),
             submitted_priority="NORMAL", allow_cross_zone=False, suspend_grace_s=60.0, state=state, created_at=created,
             queued_at=created, started_at=started, attempt=1 if started else 0,
             finished_at=started + timedelta(seconds=60) if state in ("succeeded", "failed", "cancelled") else None,
             pending_reason="waiting for the scheduler" if state == "queued" else None, reserved_nodes=[],
             desired_action="run", user_suspended=False, suspensions=0, restarts=0, lost_gpu_s=0.0, run_s=0.0,
         ))
+    mine = {"p": f"{prefix}-%"}
     with engine.begin() as conn:
         for k in range(0, n, 5000):
             conn.execute(insert(Job), rows[k:k + 5000])
         conn.execute(text(
             "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
-            "SELECT id, created_at, NULL, 'queued', 'submitted' FROM jobs WHERE name LIKE 'pre-%'"))
+            "SELECT id, created_at, NULL, 'queued', 'submitted' FROM jobs WHERE name LIKE :p"), mine)
         conn.execute(text(
             "INSERT INTO job_events (job_id, at, from_state, to_state, reason) "
-            "SELECT id, started_at, 'queued', 'starting', 'placed' FROM jobs WHERE started_at IS NOT NULL"))
+            "SELECT id, started_at, 'queued', 'starting', 'placed' FROM jobs "
+            "WHERE started_at IS NOT NULL AND name LIKE :p"), mine)
         if nodes:
-            # the jobs that hold GPUs now spread over every node, one GPU each, no GPU twice (the
-            # k-th of them: node k mod n, GPU k div n; 10,000 running jobs fill 1,250 nodes of 8);
-            # the finished ones likewise, among themselves
-            conn.execute(text(
-                "INSERT INTO job_allocations (job_id, attempt, node_name, node_rank, gpus, active, created_at) "
-                "SELECT id, 1, 'node-' || lpad(CAST((rn % :k) + 1 AS TEXT), 4, '0'), 0, "
-                "CAST('[' || CAST((rn / :k) % 8 AS TEXT) || ']' AS JSON), holds, started_at FROM ("
-                "  SELECT id, started_at, state IN ('running', 'starting') AS holds, "
-                "  row_number() OVER (PARTITION BY state IN ('running', 'starting') ORDER BY id) - 1 AS rn "
-                "  FROM jobs WHERE started_at IS NOT NULL) AS started"),
-                {"k": len(nodes)})
+            # the jobs that hold GPUs now spread over every node, no GPU twice (the k-th of them:
+            # node k mod n, the (k div n)-th group of ``gpus`` GPUs of its 8; 10,000 running jobs
+            # of 1 GPU fill 1,250 nodes of 8); the finished ones likewise, among themselves
+            per = 8 // gpus
+            seen = {True: 0, False: 0}
+            allocs = []
+            for jid, state, started in conn.execute(select(Job.id, Job.state, Job.started_at).where(
+                    Job.started_at.is_not(None), Job.name.like(mine["p"])).order_by(Job.id)):
+                holds = state in ("running", "starting")
+                rn = seen[holds]
+                seen[holds] += 1
+                first = (rn // len(nodes)) % per * gpus
+                allocs.append(dict(job_id=jid, attempt=1, node_name=nodes[rn % len(nodes)], node_rank=0,
+                                   gpus=list(range(first, first + gpus)), active=holds, created_at=started))
+            for k in range(0, len(allocs), 5000):
+                conn.execute(insert(JobAllocation), allocs[k:k + 5000])
+            holds_rows = [dict(allocation_id=aid, node_name=node, gpu=g)
+                          for aid, node, held in conn.execute(select(
+                              JobAllocation.id, JobAllocation.node_name, JobAllocation.gpus).where(
+                              JobAllocation.active, JobAllocation.job_id.in_(
+                                  select(Job.id).where(Job.name.like(mine["p"])))))
+                          for g in held]
+            for k in range(0, len(holds_rows), 5000):
+                conn.execute(insert(GpuHold), holds_rows[k:k + 5000])
     engine.dispose()
 
 

@@ -6,6 +6,7 @@ marker on SQLite and the xmin horizon on PostgreSQL).
     python benchmarks/sqlite_cycle.py [--queued 10000] [--repeat 20]
     HAI_TEST_DATABASE_URL=postgresql+psycopg://... python benchmarks/sqlite_cycle.py --postgresql
     python benchmarks/sqlite_cycle.py --queued 10000 --arrivals 100 [--postgresql]   # a cycle after 100 submissions
+    python benchmarks/sqlite_cycle.py --postgresql --nodes 10000 --running 20000 --queued 100000 --repeat 5
 
 ``--postgresql``: the database at HAI_TEST_DATABASE_URL (its public schema is dropped and made
 again: a database of your own), the cycle as ``hai scheduler`` runs it there (one fenced
@@ -13,11 +14,16 @@ transaction that reads and writes); besides this process's CPU, the CPU of the d
 process that served the cycle (its /proc/<pid>/stat: the server must be on this machine) and
 the wall-clock time of the cycle (medians; the server's CPU, counted in clock ticks, as a mean).
 
-The database is api_load.py's: ``--queued`` 1-GPU jobs of 20 users queued, 4 nodes of 8 GPUs with
-fresh heartbeats, in a temporary SQLite file. Three cycles settle it (the first starts 32 jobs and
-writes every queued job's pending reason; the next reads those rows again), then ``--repeat``
-steady cycles each way, alternating, timed with ``time.process_time`` (the SQLite library's work is
-in-process; CPU, not wall-clock, because the VM is shared). Prints JSON with the medians.
+The database is api_load.py's: ``--queued`` 1-GPU jobs of 20 users queued, ``--nodes`` (4) nodes of
+8 GPUs with fresh heartbeats, in a temporary SQLite file, and ``--running`` jobs running on them
+(none by default), spread evenly over the nodes, each of 8 x nodes / running GPUs on one node,
+with their allocations and held GPUs (``--nodes 10000 --running 20000 --queued 100000``: the
+scheduler cycle benchmark's largest size, a full cluster, as the service meets it). Three
+cycles settle it (the first starts 32 jobs when there are 4 nodes and writes every queued job's
+pending reason; the next reads those rows again), then ``--repeat`` steady cycles each way, alternating, timed with ``time.process_time`` (the SQLite library's work is
+in-process; CPU, not wall-clock, because the VM is shared). Prints JSON with the medians, and the
+median CPU of the three parts of a steady cycle with the queue cache: the snapshot's read
+(``_load``), the domain's cycle (``schedule``) and the decisions' write (``apply_decisions``).
 """
 
 from __future__ import annotations
@@ -51,11 +57,17 @@ def main() -> None:
     ap.add_argument("--queued", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--postgresql", action="store_true", help="the database at HAI_TEST_DATABASE_URL")
+    ap.add_argument("--nodes", type=int, default=4, help="nodes of 8 GPUs with fresh heartbeats (default 4)")
+    ap.add_argument("--running", type=int, default=0,
+                    help="jobs running on them, spread evenly, each of 8 x nodes / running GPUs (1, 2, 4 or 8)")
     ap.add_argument("--arrivals", type=int, default=0, metavar="K",
                     help="instead of steady cycles: --repeat cycles with the queue cache, K submissions "
                          "(the API's service, not timed) before each")
     args = ap.parse_args()
-    out: dict = {"queued": args.queued, "load_before": api_load.loadavg()}
+    out: dict = {"queued": args.queued, "nodes": args.nodes, "running": args.running, "load_before": api_load.loadavg()}
+    run_gpus = 8 * args.nodes // args.running if args.running else 0
+    if args.running and run_gpus not in (1, 2, 4, 8):
+        raise SystemExit("--running: 8 x nodes / running must be 1, 2, 4 or 8 GPUs a job")
     with tempfile.TemporaryDirectory(prefix="hai-sqlite-cycle-") as tmp:
         if args.postgresql:
             url = os.environ.get("HAI_TEST_DATABASE_URL", "")
@@ -67,8 +79,11 @@ def main() -> None:
             settings = Settings(data_dir=Path(tmp))
         out["database"] = "postgresql" if args.postgresql else "sqlite"
         _token, _agent, users = api_load.seed_users(settings)
+        names = api_load.seed_nodes(settings, args.nodes)
+        api_load.seed_jobs(settings.database_url, users[1:], args.running, states=["running"], nodes=names,
+                           gpus=run_gpus, prefix="run")
         api_load.seed_jobs(settings.database_url, users[1:], args.queued)
-        api_load.seed_nodes(settings, 4)
+        parts = _timed_parts()
         platform = Platform.from_settings(settings)
         queue = scheduling.QueueCache()
         try:
@@ -81,6 +96,7 @@ def main() -> None:
                     return (int(fields[11]) + int(fields[12])) * tick_ms  # utime + stime
 
                 def cycle(cache: scheduling.QueueCache | None) -> tuple[float, float, float, scheduling.CycleResult]:
+                    parts.clear()
                     with platform.sessions() as s:  # heartbeats stay fresh (not timed)
                         s.execute(update(Node).values(last_heartbeat_at=utcnow()))
                         s.commit()
@@ -104,14 +120,18 @@ def main() -> None:
                 if args.arrivals:
                     out.update(_with_arrivals(args, platform, users[1], lambda: cycle(queue), queue))
                     return _print(out, platform)
-                with_cache, without = [], []
+                with_cache, without, split = [], [], []  # split: the parts of each cycle with the cache
                 for _ in range(args.repeat):
                     *ms, r1 = cycle(queue)
                     with_cache.append(ms)
+                    split.append(dict(parts))
                     *ms, r2 = cycle(None)
                     without.append(ms)
                     assert r1.considered == r2.considered  # the same queue either way
                 out["considered"] = len(r1.considered)
+                out["running_jobs_in_snapshot"] = r1.snapshot_jobs - len(r1.considered)
+                for name in ("load", "schedule", "apply"):
+                    out[f"steady_cycle_cpu_ms_with_queue_cache_{name}"] = round(statistics.median(p.get(name, 0.0) for p in split), 1)
                 out["queue_cache_full_reads"] = queue.full_reads
                 for name, runs in (("with_queue_cache", with_cache), ("full_read", without)):
                     out[f"steady_cycle_cpu_ms_{name}"] = round(statistics.median(r[0] for r in runs), 1)
@@ -121,6 +141,27 @@ def main() -> None:
         finally:
             platform.close()
     _print(out)
+
+
+def _timed_parts() -> dict[str, float]:
+    """The CPU of the cycle's three parts, in ms, added up in the returned dict (cleared by the
+    caller before each cycle): the snapshot's read (``scheduling._load``), the domain's cycle
+    (``schedule``) and the decisions' write (``apply_decisions``)."""
+    parts: dict[str, float] = {}
+
+    def timed(name: str, fn):  # noqa: ANN001, ANN202
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            c0 = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[name] = parts.get(name, 0.0) + (time.process_time() - c0) * 1000
+        return run
+
+    scheduling._load = timed("load", scheduling._load)
+    scheduling.sched.schedule = timed("schedule", scheduling.sched.schedule)
+    scheduling.apply_decisions = timed("apply", scheduling.apply_decisions)
+    return parts
 
 
 def _print(out: dict, platform: Platform | None = None) -> None:

@@ -327,7 +327,7 @@ def test_planning_leaves_the_snapshot_unchanged():
 
 
 _ALLOWED_TOP = {
-    "__future__", "array", "bisect", "gc", "collections", "dataclasses", "datetime", "enum", "functools", "heapq",
+    "__future__", "array", "bisect", "gc", "collections", "contextlib", "dataclasses", "datetime", "enum", "functools", "heapq",
     "itertools", "math", "operator", "typing", "csv", "io", "re", "pydantic", "hai",
 }
 _FORBIDDEN = ("sqlalchemy", "redis", "celery", "httpx", "fastapi", "kubernetes")

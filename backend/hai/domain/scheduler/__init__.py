@@ -1,6 +1,6 @@
 """Pure scheduling: snapshot in, decisions out, ``now`` passed in."""
 
-from hai.domain.scheduler.core import schedule
+from hai.domain.scheduler.core import collector_paused, schedule
 from hai.domain.scheduler.kept import KeptQueue
 from hai.domain.scheduler.model import (
     Allocation,
@@ -20,6 +20,7 @@ from hai.domain.scheduler.model import (
 
 __all__ = [
     "Allocation",
+    "collector_paused",
     "Decisions",
     "KeptQueue",
     "Demote",

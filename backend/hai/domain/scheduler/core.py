@@ -35,9 +35,10 @@ import gc
 import heapq
 from bisect import bisect_right
 from collections import deque
+from contextlib import contextmanager
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter, le, not_
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.explain import (
@@ -95,11 +96,21 @@ def schedule(snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | N
     must be collected meanwhile, so the collector's passes over them are pure overhead (about
     5% of a cycle at Fire-Flyer scale). Reference counting still frees everything as usual.
     """
+    with collector_paused():
+        return _Cycle(snapshot, policy, now, kept).run()
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused for the block, and enabled again after it unless it
+    was paused already (an outer block keeps it paused: ``services.scheduling.run_cycle`` pauses
+    it for the whole cycle, the snapshot's read and the decisions' write included). It is
+    process-wide: a block pauses it for every thread of the process while it runs."""
     paused = gc.isenabled()
     if paused:
         gc.disable()
     try:
-        return _Cycle(snapshot, policy, now, kept).run()
+        yield
     finally:
         if paused:
             gc.enable()
