@@ -277,7 +277,7 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
             tags=[], job_type="command", nodes=1, gpus_per_node=gpus,
             priority=rng.choice(["LOW", "NORMAL", "NORMAL", "HIGH"]),
             submitted_priority="NORMAL", allow_cross_zone=False, suspend_grace_s=60.0, state=state, created_at=created,
-            queued_at=created, started_at=started, attempt=1 if started else 0,
+            queued_at=created, started_at=started, attempt_started_at=started, attempt=1 if started else 0,
             finished_at=started + timedelta(seconds=60) if state in ("succeeded", "failed", "cancelled") else None,
             pending_reason="waiting for the scheduler" if state == "queued" else None, reserved_nodes=[],
             desired_action="run", user_suspended=False, suspensions=0, restarts=0, lost_gpu_s=0.0, run_s=0.0,

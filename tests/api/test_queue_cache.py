@@ -219,3 +219,47 @@ def test_a_cycle_with_the_cache_decides_as_a_cycle_without_it(api):
         without.started, without.suspended, sorted(without.considered))
     assert with_cache.started or with_cache.suspended  # a cycle that decides something
     assert after_cache == after_full
+
+
+def test_a_running_job_is_built_again_only_when_its_row_its_allocations_or_the_numbering_change(api):
+    """The cache also keeps each active job's RunningJob with the row and the active allocations
+    it was built from: an unchanged job is the very object of the last read, a changed one is
+    built again, and every read equals a full read (``_same``)."""
+    from hai.db.models import JobAllocation, Node
+
+    for n in ("n0", "n1"):
+        api.register_node(n)
+    ids = [api.submit(gpus_per_node=g, name=f"r{i}")["id"] for i, g in enumerate([8, 4, 4])]
+    loop = SchedulerLoop(api.platform)
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        assert sorted(_cycle(api, loop, lease).started) == sorted(ids)
+    cache = scheduling.QueueCache()
+
+    def objects() -> dict[int, object]:
+        _same(api, cache)
+        return {r.id: r for r in _snapshot(api, cache)[0].running}
+
+    first = objects()
+    assert sorted(first) == sorted(ids)
+    again = objects()
+    assert all(again[i] is first[i] for i in ids)  # nothing changed: nothing built
+
+    a, b, c = ids
+    # a checkpoint reported for one job: its row changed, only it is built again
+    _write(api, lambda s: s.execute(update(Job).where(Job.id == a).values(
+        last_checkpoint={"at": utcnow().timestamp(), "duration_s": 2.0})))
+    got = objects()
+    assert got[a] is not again[a] and got[a].last_checkpoint_at is not None
+    assert got[b] is again[b] and got[c] is again[c]
+
+    # an allocation released behind the job's row: the job's allocations changed, only it is built again
+    _write(api, lambda s: s.execute(update(JobAllocation).where(JobAllocation.job_id == b).values(active=False)))
+    after = objects()
+    assert after[b] is not got[b] and after[b].allocations == ()
+    assert after[a] is got[a] and after[c] is got[c]
+
+    # a node's GPUs numbered anew: every job is built again with positions by the new numbering
+    _write(api, lambda s: s.execute(update(Node).where(Node.name == after[c].allocations[0].node)
+                                    .values(gpu_indices=[0, 1, 2, 3, 4, 5, 6, 9])))
+    renumbered = objects()
+    assert all(renumbered[i] is not after[i] for i in ids)

@@ -177,6 +177,12 @@ class QueueCache:
         # the queue in the cycle's order, kept across cycles by the domain (issue 12): it follows
         # the jobs objects above (an unchanged row keeps its object), whatever reset() does
         self.kept = sched.KeptQueue()
+        # each active job's RunningJob with what it was built from (its row, its active
+        # allocations), and the nodes' GPU numbering it was built with: a cycle builds again
+        # only the jobs whose row or allocations changed (``_running``). Kept by what they were
+        # built from, not by a marker, so reset() leaves them: they are never stale
+        self.running: dict[int, tuple[tuple, sched.RunningJob]] = {}
+        self.node_indices: dict[str, list[int]] = {}
 
     def reset(self) -> None:
         self.mark = None
@@ -287,6 +293,12 @@ def _load(
     running: list[sched.RunningJob] = []
     queued: list[sched.QueuedJob] = []
     current = Shown()
+    built: dict[int, tuple[tuple, sched.RunningJob]] = {}
+    last: dict[int, tuple[tuple, sched.RunningJob]] = {}
+    if queue is not None:
+        if queue.node_indices != indices:  # a node's GPU numbering changed (or the first cycle)
+            queue.running = {}
+        last, queue.node_indices = queue.running, indices
     for j in rows:
         if j.state == JobState.QUEUED.value:
             if not j.user_suspended:
@@ -294,26 +306,19 @@ def _load(
                 queued.append(q)
                 current.set(j.id, j.pending_reason, q.reserved_nodes)
             continue
-        common = _common(j)
-        ckpt = _json(j.checkpoint_json, {})
-        attempt_start = (j.attempt_started_at or now).timestamp()
-        ckpt_at = ckpt.get("at")
-        running.append(
-            sched.RunningJob(
-                **common,
-                allocations=tuple(
-                    sched.Allocation(node_name, _positions(indices.get(node_name, []), gpus))
-                    for attempt, node_name, gpus in active_allocs.get(j.id, ())
-                    if attempt == j.attempt
-                ),
-                state=JobState(j.state),
-                started_at=attempt_start,
-                # only a checkpoint of this attempt bounds the work a suspension would lose
-                last_checkpoint_at=ckpt_at if ckpt_at and ckpt_at >= attempt_start else None,
-                checkpoint_duration_s=ckpt.get("duration_s"),
-                suspend_requested_for=j.suspend_for_job_id,
-            )
-        )
+        allocs = active_allocs.get(j.id, ())
+        # (a job with no attempt start yet counts from ``now``: built again every cycle)
+        key = (j, allocs) if j.attempt_started_at is not None else None
+        got = last.get(j.id)
+        if got is not None and key is not None and got[0] == key:
+            r = got[1]
+        else:
+            r = _running(j, allocs, indices, now)
+        if key is not None:
+            built[j.id] = (key, r)
+        running.append(r)
+    if queue is not None:
+        queue.running = built
     if pg:
         current = _refresh_pg(session, queue)
     elif queue is not None:
@@ -384,6 +389,29 @@ def _queued(j: Row) -> sched.QueuedJob:
     return sched.QueuedJob(
         **_common(j), queued_at=j.queued_at.timestamp(), suspensions=j.suspensions,
         reserved_nodes=tuple(_json(j.reserved_json, ())),
+    )
+
+
+def _running(j: Row, allocs: list[tuple[int, str, list[int]]] | tuple, indices: dict[str, list[int]],
+             now: datetime) -> sched.RunningJob:
+    """An active job of the snapshot from its row, its active allocations (attempt, node, GPU
+    indices) and the nodes' GPU numbering; ``now`` only for a job whose attempt has no start."""
+    ckpt = _json(j.checkpoint_json, {})
+    attempt_start = (j.attempt_started_at or now).timestamp()
+    ckpt_at = ckpt.get("at")
+    return sched.RunningJob(
+        **_common(j),
+        allocations=tuple(
+            sched.Allocation(node_name, _positions(indices.get(node_name, []), gpus))
+            for attempt, node_name, gpus in allocs
+            if attempt == j.attempt
+        ),
+        state=JobState(j.state),
+        started_at=attempt_start,
+        # only a checkpoint of this attempt bounds the work a suspension would lose
+        last_checkpoint_at=ckpt_at if ckpt_at and ckpt_at >= attempt_start else None,
+        checkpoint_duration_s=ckpt.get("duration_s"),
+        suspend_requested_for=j.suspend_for_job_id,
     )
 
 
