@@ -18,7 +18,9 @@ The database is api_load.py's: ``--queued`` 1-GPU jobs of 20 users queued, ``--n
 8 GPUs with fresh heartbeats, in a temporary SQLite file, and ``--running`` jobs running on them
 (none by default), spread evenly over the nodes, each of 8 x nodes / running GPUs on one node,
 with their allocations and held GPUs (``--nodes 10000 --running 20000 --queued 100000``: the
-scheduler cycle benchmark's largest size, a full cluster, as the service meets it). Three
+scheduler cycle benchmark's largest size, a full cluster, as the service meets it). They have run
+``--ran-s`` (300 s, under the minimum runtime: no cycle may preempt, the steady full cluster);
+past the quantum (``--ran-s 86400``) every cycle plans preemptions up to the per-cycle cap. Three
 cycles settle it (the first starts 32 jobs when there are 4 nodes and writes every queued job's
 pending reason; the next reads those rows again), then ``--repeat`` steady cycles each way, alternating, timed with ``time.process_time`` (the SQLite library's work is
 in-process; CPU, not wall-clock, because the VM is shared). Prints JSON with the medians, and the
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,7 +48,7 @@ import api_load  # noqa: E402
 from sqlalchemy import update  # noqa: E402
 
 from hai.db.base import utcnow  # noqa: E402
-from hai.db.models import Node  # noqa: E402
+from hai.db.models import Job, Node  # noqa: E402
 from hai.services import scheduling  # noqa: E402
 from hai.services.context import Platform  # noqa: E402
 from hai.services.leader import leadership  # noqa: E402
@@ -60,6 +63,10 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4, help="nodes of 8 GPUs with fresh heartbeats (default 4)")
     ap.add_argument("--running", type=int, default=0,
                     help="jobs running on them, spread evenly, each of 8 x nodes / running GPUs (1, 2, 4 or 8)")
+    ap.add_argument("--ran-s", type=float, default=300.0,
+                    help="how long the running jobs have run (default 300 s: under the minimum runtime, so no "
+                         "cycle may preempt: a steady full cluster; e.g. 86400: past the quantum, every cycle "
+                         "plans preemptions up to the per-cycle cap)")
     ap.add_argument("--arrivals", type=int, default=0, metavar="K",
                     help="instead of steady cycles: --repeat cycles with the queue cache, K submissions "
                          "(the API's service, not timed) before each")
@@ -85,6 +92,12 @@ def main() -> None:
         api_load.seed_jobs(settings.database_url, users[1:], args.queued)
         parts = _timed_parts()
         platform = Platform.from_settings(settings)
+        if args.running:
+            with platform.sessions() as s:
+                since = utcnow() - timedelta(seconds=args.ran_s)
+                s.execute(update(Job).where(Job.name.like("run-%")).values(started_at=since, attempt_started_at=since))
+                s.commit()
+            out["ran_s"] = args.ran_s
         queue = scheduling.QueueCache()
         try:
             with leadership(platform, stop=threading.Event()) as lease:
