@@ -309,15 +309,13 @@ def seed_jobs(url: str, users: list[tuple[int, str]], n: int, *, states: list[st
                 allocs.append(dict(job_id=jid, attempt=1, node_name=nodes[rn % len(nodes)], node_rank=0,
                                    gpus=list(range(first, first + gpus)), active=holds, created_at=started))
             for k in range(0, len(allocs), 5000):
-                conn.execute(insert(JobAllocation), allocs[k:k + 5000])
-            holds_rows = [dict(allocation_id=aid, node_name=node, gpu=g)
-                          for aid, node, held in conn.execute(select(
-                              JobAllocation.id, JobAllocation.node_name, JobAllocation.gpus).where(
-                              JobAllocation.active, JobAllocation.job_id.in_(
-                                  select(Job.id).where(Job.name.like(mine["p"])))))
-                          for g in held]
-            for k in range(0, len(holds_rows), 5000):
-                conn.execute(insert(GpuHold), holds_rows[k:k + 5000])
+                chunk = allocs[k:k + 5000]
+                ids = conn.execute(insert(JobAllocation).returning(JobAllocation.id, sort_by_parameter_order=True),
+                                   chunk).scalars().all()
+                held = [dict(allocation_id=aid, node_name=a["node_name"], gpu=g)
+                        for aid, a in zip(ids, chunk) if a["active"] for g in a["gpus"]]
+                if held:
+                    conn.execute(insert(GpuHold), held)
         # the planner's statistics for what was just loaded, as autovacuum would gather them within
         # a minute or so: a run's first cycles must not depend on whether it has yet (one run's
         # first write of 100,000 pending reasons ran for minutes, the next run's in 1.4 s)

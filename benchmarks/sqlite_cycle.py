@@ -22,8 +22,9 @@ scheduler cycle benchmark's largest size, a full cluster, as the service meets i
 ``--ran-s`` (300 s, under the minimum runtime: no cycle may preempt, the steady full cluster);
 past the quantum (``--ran-s 86400``) every cycle plans preemptions up to the per-cycle cap. Three
 cycles settle it (the first starts 32 jobs when there are 4 nodes and writes every queued job's
-pending reason; the next reads those rows again), then ``--repeat`` steady cycles each way, alternating, timed with ``time.process_time`` (the SQLite library's work is
-in-process; CPU, not wall-clock, because the VM is shared). Prints JSON with the medians, and the
+pending reason; the next reads those rows again), then ``--repeat`` steady cycles each way,
+alternating, timed with ``time.process_time`` (the SQLite library's work is in-process; CPU, not
+wall-clock, because the VM is shared). Prints JSON with the medians, and the
 median CPU of the three parts of a steady cycle with the queue cache: the snapshot's read
 (``_load``), the domain's cycle (``schedule``) and the decisions' write (``apply_decisions``).
 """
@@ -73,8 +74,8 @@ def main() -> None:
     args = ap.parse_args()
     out: dict = {"queued": args.queued, "nodes": args.nodes, "running": args.running, "load_before": api_load.loadavg()}
     run_gpus = 8 * args.nodes // args.running if args.running else 0
-    if args.running and run_gpus not in (1, 2, 4, 8):
-        raise SystemExit("--running: 8 x nodes / running must be 1, 2, 4 or 8 GPUs a job")
+    if args.running and (run_gpus not in (1, 2, 4, 8) or run_gpus * args.running != 8 * args.nodes):
+        ap.error("--running: 8 x nodes / running must be 1, 2, 4 or 8 GPUs a job")
     with tempfile.TemporaryDirectory(prefix="hai-sqlite-cycle-") as tmp:
         if args.postgresql:
             url = os.environ.get("HAI_TEST_DATABASE_URL", "")
