@@ -26,7 +26,16 @@ pending reason; the next reads those rows again), then ``--repeat`` steady cycle
 alternating, timed with ``time.process_time`` (the SQLite library's work is in-process; CPU, not
 wall-clock, because the VM is shared). Prints JSON with the medians, and the
 median CPU of the three parts of a steady cycle with the queue cache: the snapshot's read
-(``_load``), the domain's cycle (``schedule``) and the decisions' write (``apply_decisions``).
+(``_load``), the domain's cycle (``schedule``) and the decisions' write (``apply_decisions``),
+and how many job rows such a cycle read again (``queue_cache_rows_read_median``: the rows written
+since the cycle before, mostly by it: pending reasons, reservations, starts).
+
+``--cache-only`` (with ``--ran-s 86400``): no cycle without the cache in between. Pending reasons
+whose numbers alone change are written at each job's refresh moment
+(``HAI_SCHEDULER__PENDING_REASON_REFRESH_S``, 30 s; 0: every change at once, as before):
+
+    HAI_TEST_DATABASE_URL=... python benchmarks/sqlite_cycle.py --postgresql --nodes 10000 --running 20000 \
+        --queued 100000 --ran-s 86400 --cache-only --repeat 8
 """
 
 from __future__ import annotations
@@ -71,6 +80,11 @@ def main() -> None:
     ap.add_argument("--arrivals", type=int, default=0, metavar="K",
                     help="instead of steady cycles: --repeat cycles with the queue cache, K submissions "
                          "(the API's service, not timed) before each")
+    ap.add_argument("--cache-only", action="store_true",
+                    help="only the cycles with the queue cache, none reading the whole queue between them (a "
+                         "cycle without the cache keeps no record of the pending reasons it wrote, so it writes "
+                         "every changed one: with --ran-s 86400 it would rewrite the queue the cached cycles "
+                         "then read back)")
     args = ap.parse_args()
     out: dict = {"queued": args.queued, "nodes": args.nodes, "running": args.running, "load_before": api_load.loadavg()}
     run_gpus = 8 * args.nodes // args.running if args.running else 0
@@ -135,10 +149,14 @@ def main() -> None:
                     out.update(_with_arrivals(args, platform, users[1], lambda: cycle(queue), queue))
                     return _print(out, platform)
                 with_cache, without, split = [], [], []  # split: the parts of each cycle with the cache
+                rows_read: list[int] = []  # job rows each cycle with the cache read again (changed since the last)
                 for _ in range(args.repeat):
                     *ms, r1 = cycle(queue)
                     with_cache.append(ms)
                     split.append(dict(parts))
+                    rows_read.append(queue.rows_read)
+                    if args.cache_only:
+                        continue
                     *ms, r2 = cycle(None)
                     without.append(ms)
                     assert r1.considered == r2.considered  # the same queue either way
@@ -147,7 +165,12 @@ def main() -> None:
                 for name in ("load", "schedule", "apply"):
                     out[f"steady_cycle_cpu_ms_with_queue_cache_{name}"] = round(statistics.median(p.get(name, 0.0) for p in split), 1)
                 out["queue_cache_full_reads"] = queue.full_reads
+                # the rows the cycle before wrote (pending reasons, reservations, starts) come back here
+                out["queue_cache_rows_read_median"] = statistics.median(rows_read)
+                out["pending_reason_refresh_s"] = settings.scheduler.pending_reason_refresh_s
                 for name, runs in (("with_queue_cache", with_cache), ("full_read", without)):
+                    if not runs:
+                        continue
                     out[f"steady_cycle_cpu_ms_{name}"] = round(statistics.median(r[0] for r in runs), 1)
                     if args.postgresql:
                         out[f"steady_cycle_server_cpu_ms_{name}_mean"] = round(statistics.fmean(r[1] for r in runs), 1)

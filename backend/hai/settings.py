@@ -81,6 +81,12 @@ class SchedulerSettings(BaseModel):
         "ended (as Slurm's sched_min_interval), so a slow cycle (a deep queue) leaves the rest of the machine to "
         "the API; 1: no limit (issue 12)",
     )
+    pending_reason_refresh_s: float = Field(default=30.0, ge=0, description=(
+        "a queued job's pending reason whose words stay the same and only its numbers change (for example "
+        "'(256 nodes reserved for other jobs)', then 288) is written at most once in this many seconds, at a "
+        "moment of the job's own in that span; any other change of its reason or reservation is written by the "
+        "cycle that makes it; 0: every change at once (issue 12: while preemptions were in flight, every "
+        "queued job's count moved every cycle, and every cycle rewrote, and read back, the whole queue)"))
     lock_id: int = Field(default=0x4841_4901, ge=0, lt=2**31,
                          description="PostgreSQL advisory lock key: the leader of epoch E holds (lock_id, E)")
     lease_s: float = Field(default=10.0, gt=0, description=(

@@ -174,7 +174,11 @@ def test_a_cycle_with_the_cache_decides_as_a_cycle_without_it(api):
                                 (8, "LOW"), (2, "NORMAL"), (8, "VERY_HIGH")]):
         api.submit(api.alice if i % 2 else api.bob, gpus_per_node=g, priority=p, name=f"j{i}")
     loop = SchedulerLoop(api.platform)
-    settings = api.platform.settings
+    # every changed reason written at once, as a cycle without the cache writes them (the cache
+    # also remembers when it wrote each reason, and a change of numbers alone waits for the job's
+    # refresh moment: tests/api/test_pending_reason_refresh.py)
+    settings = api.platform.settings.model_copy(deep=True)
+    settings.scheduler.pending_reason_refresh_s = 0
     with leadership(api.platform, stop=threading.Event()) as lease:
         loop.cycle_once(lease)  # starts; the rows it wrote are marked changed
         loop.cycle_once(lease)  # reads them again: the cache is settled

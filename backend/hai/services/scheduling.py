@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -107,6 +108,9 @@ class Shown:
 
     reasons: dict[int, str | None] = field(default_factory=dict)
     reserved: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # when this process last wrote each job's pending reason (the cycle's ``now``, in seconds):
+    # a change of its numbers alone waits for the job's next refresh moment (``_throttled``)
+    written_at: dict[int, float] = field(default_factory=dict)
 
     def set(self, job_id: int, reason: str | None, reserved_nodes: tuple[str, ...]) -> None:
         self.reasons[job_id] = reason
@@ -118,10 +122,12 @@ class Shown:
     def drop(self, job_id: int) -> None:
         self.reasons.pop(job_id, None)
         self.reserved.pop(job_id, None)
+        self.written_at.pop(job_id, None)
 
     def clear(self) -> None:
         self.reasons.clear()
         self.reserved.clear()
+        self.written_at.clear()
 
 
 def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sched.Snapshot:
@@ -802,6 +808,42 @@ def write_queued_pg(conn: Connection, writes: list[tuple[int, list[str], str | N
     conn.execute(_WRITE_QUEUED_PG, {"i": ids, "n": [json.dumps(n) for _, n, _ in writes], "r": [r for _, _, r in writes]})
 
 
+_DIGITS = re.compile(r"[0-9]+")
+_GOLDEN = 0.6180339887498949  # (spreads consecutive job ids evenly over a refresh span)
+
+
+def _throttled(pending: dict[int, str | None], shown: Shown, forced: set[int], now_s: float,
+               refresh_s: float) -> dict[int, str | None]:
+    """Of the changed pending reasons ``pending``, the ones to write now (issue 12, as Kueue
+    skips a pending workload's status update when only its message changed: kubernetes-sigs/kueue
+    #8095). A reason whose words are the ones the job shows, only some number in it different
+    ("(256 nodes reserved for other jobs)", then 288), waits until the job's own refresh moment
+    has passed since this process last wrote its reason: the moments of the jobs are spread
+    evenly over ``refresh_s`` seconds (by id), so a cycle writes about queued x interval /
+    refresh_s such reasons, not the whole queue, while preemptions are in flight. Written at once:
+    any other change (other words, a reason the job did not show, none), a job of ``forced``
+    (its reservation changes: the reason that names its nodes goes with it), and a job whose
+    reason this process has not written yet. Records the write time of each one returned."""
+    reasons, written = shown.reasons, shown.written_at
+    alike: dict[tuple[str, str], bool] = {}  # (shown, new) -> same words (a few distinct pairs a cycle)
+    out: dict[int, str | None] = {}
+    for i, r in pending.items():
+        old = reasons.get(i)
+        at = written.get(i)
+        if at is not None and old is not None and r is not None and i not in forced:
+            key = (old, r)
+            same = alike.get(key)
+            if same is None:
+                same = alike[key] = _DIGITS.sub("#", old) == _DIGITS.sub("#", r)
+            if same:
+                phase = (i * _GOLDEN) % 1.0 * refresh_s
+                if (now_s + phase) // refresh_s == (at + phase) // refresh_s:
+                    continue  # its refresh moment has not come since its last write
+        out[i] = r
+        written[i] = now_s
+    return out
+
+
 def apply_decisions(
     session: Session,
     decisions: sched.Decisions,
@@ -825,6 +867,9 @@ def apply_decisions(
         }
         # a job that held a reservation and holds none after this cycle must be written too
         dropped = {i for i in reserved_now if i not in decisions.reservations}
+        refresh_s = settings.scheduler.pending_reason_refresh_s
+        if refresh_s > 0 and pending:
+            pending = _throttled(pending, current, reservations | dropped, now.timestamp(), refresh_s)
     else:
         reservations, dropped = set(decisions.reservations), set()
     # the jobs a state changes for (starts, suspensions, demotions) are loaded and locked as ORM
