@@ -201,3 +201,64 @@ def test_a_horizon_too_many_transactions_old_makes_a_full_read(api):
     assert cache.full_reads == 2 and rows == len(cache.jobs) == 3
     _same(api, cache)
     assert cache.full_reads == 2  # a fresh horizon again: incremental
+
+
+def test_a_running_job_is_built_again_only_when_its_row_its_allocations_or_the_numbering_change_on_postgresql(api):
+    """The same sequence as on SQLite, through the PostgreSQL cache of the active side
+    (``ActiveCache``: rows kept by their version, ``xmin``)."""
+    from tests.api.test_queue_cache import (
+        test_a_running_job_is_built_again_only_when_its_row_its_allocations_or_the_numbering_change as same_on_sqlite)
+
+    same_on_sqlite(api)
+
+
+def test_the_active_side_reads_only_the_rows_whose_version_changed(api):
+    """``ActiveCache`` reads in full only the active jobs' and allocations' rows written since the
+    last read (an agent's report rewrites an allocation's status; a job ends; another starts),
+    and everything again once its first read is PG_HORIZON_MAX_AGE transactions old. Every
+    snapshot equals a full read (``_same``)."""
+    from hai.db.models import JobAllocation
+
+    for n in ("n0", "n1"):
+        api.register_node(n)
+    ids = [api.submit(gpus_per_node=8, name=f"r{i}")["id"] for i in range(3)]  # the third waits
+    loop = SchedulerLoop(api.platform)
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        started = _cycle(api, loop, lease).started
+    assert len(started) == 2
+    cache = scheduling.QueueCache()
+    _same(api, cache)
+    assert cache.active.rows_read == 4  # the first read: two jobs and their two allocations
+    _same(api, cache)
+    assert cache.active.rows_read == 0  # nothing written since
+    before = {r.id: r for r in _snapshot(api, cache)[0].running}
+
+    a, b = started
+    _write(api, lambda s: s.execute(update(JobAllocation).where(JobAllocation.job_id == a).values(
+        status={"state": "running", "ranks": 8})))
+    _same(api, cache)
+    assert cache.active.rows_read == 1  # that allocation alone
+    after = {r.id: r for r in _snapshot(api, cache)[0].running}
+    assert after[b] is before[b] and after[a] == before[a]
+
+    # one job ends (its row and its allocation), the waiting one takes its place in a cycle
+    def end(s):  # noqa: ANN001, ANN202
+        from sqlalchemy import select
+
+        from hai.services.reports import release
+
+        transition(s, s.get(Job, a), JobState.SUCCEEDED, reason="done", now=utcnow())
+        for alloc in s.scalars(select(JobAllocation).where(JobAllocation.job_id == a)):
+            release(alloc, utcnow())
+    _write(api, end)
+    _same(api, cache)
+    assert [r.id for r in _snapshot(api, cache)[0].running] == [b]
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        assert _cycle(api, loop, lease).started == [ids[2]]
+    _same(api, cache)
+    assert sorted(r.id for r in _snapshot(api, cache)[0].running) == sorted([b, ids[2]])
+
+    first = cache.active.since
+    cache.active.since -= scheduling.PG_HORIZON_MAX_AGE + 1  # as if ~1e9 transactions had run since
+    _same(api, cache)
+    assert cache.active.rows_read == 4 and cache.active.since >= first  # all read again, from now

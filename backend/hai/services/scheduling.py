@@ -134,6 +134,125 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
     return _load(session, now=now, lost_after_s=lost_after_s)[0]
 
 
+_ACTIVE_VALUES = tuple(s.value for s in ACTIVE_STATES)
+# (id, row version) of every active job and allocation: two integers a row, read through the
+# driver's own cursor (20,000 rows in ~5 ms of CPU, against ~55 ms for the allocations' full rows)
+_ACTIVE_JOB_VERSIONS = "SELECT id, xmin::text::bigint FROM jobs WHERE state = ANY(%s)"
+_ALLOC_VERSIONS = "SELECT id, xmin::text::bigint FROM job_allocations WHERE active"
+_ALLOC_COLUMNS = (JobAllocation.id, literal_column("job_allocations.xmin::text::bigint").label("version"),
+                  JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_rank, JobAllocation.node_name,
+                  JobAllocation.gpus)
+
+
+class ActiveCache:
+    """PostgreSQL: every active job's row and active allocation of the last cycle, each with the
+    version it was read at (its ``xmin``), and each active job's RunningJob (issue 12: at 10,000
+    nodes and 20,000 running jobs, reading every active job's row and allocation again each
+    cycle was ~55% of the scheduler's read, benchmarks/sqlite_cycle.py).
+
+    A cycle reads the (id, xmin) of every active job and allocation, two integers a row, and
+    reads in full only the rows whose version differs from the one kept, or that are new; an
+    id no longer listed left the active set. A row version's ``xmin`` is the transaction that
+    wrote it: two versions of a row with the same xmin were written by one transaction, and
+    only its last one is ever seen after it committed; a version frozen by VACUUM may show
+    another xmin: read again, harmless. So the kept rows are those of this cycle's reads, with
+    no horizon to reason about (the 32-bit xmin repeats after 2**32 transactions: past
+    PG_HORIZON_MAX_AGE since the first read everything is read again). A job whose row or
+    allocations changed gets its RunningJob built again; so does one whose attempt has no start
+    yet (it counts from ``now``), and every job when a node's GPU numbering changed.
+    ``tests/integration/test_queue_cache_pg.py`` compares the snapshot with a full read."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, tuple[int, Row]] = {}  # id -> (version, row)
+        self.allocs: dict[int, tuple] = {}  # id -> the row (id, version, job_id, attempt, node_rank, node_name, gpus)
+        self.of_job: dict[int, dict[int, tuple[int, int, str, list[int]]]] = {}  # job -> alloc id -> (attempt, rank, node, gpus)
+        self.held: dict[str, set[int]] = {}  # node -> the GPU indices its active allocations hold
+        self.built: dict[int, sched.RunningJob] = {}
+        self.unstarted: set[int] = set()  # the active jobs whose attempt has no start yet
+        self.ordered: tuple[sched.RunningJob, ...] | None = None  # ``built`` by id; None after a change
+        self.indices: dict[str, list[int]] | None = None  # the nodes' GPU numbering ``built`` used
+        self.since: int | None = None  # the transaction id of the first read
+        self.rows_read = 0  # job and allocation rows read in full by the last cycle
+
+    def refresh(self, conn: Connection, indices: dict[str, list[int]], now: datetime) -> tuple[sched.RunningJob, ...]:
+        """The active jobs as of now (sorted by id); ``held`` the GPUs held on each node."""
+        cur = conn.connection.driver_connection.cursor()
+        cur.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+        next_xid = cur.fetchone()[0]
+        if self.since is None or next_xid - self.since > PG_HORIZON_MAX_AGE:
+            self.__init__()
+            self.since = next_xid
+        dirty: set[int] = set()
+        self.rows_read = 0
+        # the allocations first: a removed one's GPUs leave ``held`` before a new one's come in
+        cur.execute(_ALLOC_VERSIONS)
+        versions = dict(cur.fetchall())
+        allocs = self.allocs
+        changed = [i for i, v in versions.items() if (a := allocs.get(i)) is None or a[1] != v]
+        if len(allocs) + sum(i not in allocs for i in changed) != len(versions):
+            for i in [i for i in allocs if i not in versions]:
+                self._drop_alloc(i, dirty)
+        if changed:
+            for i in changed:
+                if i in allocs:
+                    self._drop_alloc(i, dirty)
+            for a in conn.execute(select(*_ALLOC_COLUMNS).where(JobAllocation.id.in_(changed), JobAllocation.active)):
+                self._add_alloc(a, dirty)
+            self.rows_read += len(changed)
+        cur.execute(_ACTIVE_JOB_VERSIONS, (list(_ACTIVE_VALUES),))
+        versions = dict(cur.fetchall())
+        jobs, built = self.jobs, self.built
+        changed = [i for i, v in versions.items() if (j := jobs.get(i)) is None or j[0] != v]
+        unstarted = self.unstarted
+        if len(jobs) + sum(i not in jobs for i in changed) != len(versions):
+            for i in [i for i in jobs if i not in versions]:
+                self._drop_job(i)
+        if changed:
+            for i in changed:
+                self._drop_job(i)
+            for j in conn.execute(select(literal_column("jobs.xmin::text::bigint").label("version"), *_JOB_COLUMNS)
+                                  .where(Job.id.in_(changed), Job.state.in_(_ACTIVE_VALUES))):
+                jobs[j.id] = (j.version, j)
+                if j.attempt_started_at is None:
+                    unstarted.add(j.id)
+            dirty.update(changed)
+            self.rows_read += len(changed)
+        if indices != self.indices:
+            self.indices = indices
+            dirty = set(jobs)
+        for i in dirty | unstarted:  # (a job whose attempt has no start yet counts from ``now``)
+            got = jobs.get(i)
+            if got is not None:
+                mine = self.of_job.get(i)
+                allocs = [(attempt, node, gpus) for attempt, _rank, node, gpus in sorted(mine.values())] if mine else ()
+                built[i] = _running(got[1], allocs, indices, now)
+                self.ordered = None
+        if self.ordered is None:
+            self.ordered = tuple(built[i] for i in sorted(built))
+        return self.ordered
+
+    def _drop_job(self, i: int) -> None:
+        if self.jobs.pop(i, None) is not None:
+            self.unstarted.discard(i)
+            del self.built[i]
+            self.ordered = None
+
+    def _drop_alloc(self, i: int, dirty: set[int]) -> None:
+        _, _, job_id, _, _, node, gpus = self.allocs.pop(i)
+        self.held[node].difference_update(gpus)
+        mine = self.of_job[job_id]
+        del mine[i]
+        if not mine:
+            del self.of_job[job_id]
+        dirty.add(job_id)
+
+    def _add_alloc(self, a: Row, dirty: set[int]) -> None:
+        self.allocs[a.id] = tuple(a)
+        self.held.setdefault(a.node_name, set()).update(a.gpus)
+        self.of_job.setdefault(a.job_id, {})[a.id] = (a.attempt, a.node_rank, a.node_name, a.gpus)
+        dirty.add(a.job_id)
+
+
 class QueueCache:
     """The queue of the last cycle, kept across cycles by the scheduler process (issue 12).
 
@@ -183,12 +302,14 @@ class QueueCache:
         # the queue in the cycle's order, kept across cycles by the domain (issue 12): it follows
         # the jobs objects above (an unchanged row keeps its object), whatever reset() does
         self.kept = sched.KeptQueue()
-        # each active job's RunningJob with what it was built from (its row, its active
+        # SQLite: each active job's RunningJob with what it was built from (its row, its active
         # allocations), and the nodes' GPU numbering it was built with: a cycle builds again
         # only the jobs whose row or allocations changed (``_running``). Kept by what they were
         # built from, not by a marker, so reset() leaves them: they are never stale
         self.running: dict[int, tuple[tuple, sched.RunningJob]] = {}
         self.node_indices: dict[str, list[int]] = {}
+        # PostgreSQL keeps the active side by each row's version instead (``ActiveCache``)
+        self.active = ActiveCache()
 
     def reset(self) -> None:
         self.mark = None
@@ -248,29 +369,34 @@ def _load(
     # cost ~15% of this read at 10,000 nodes and 20,000 running jobs (benchmarks/sqlite_cycle.py)
     conn = session.connection()
     nodes = conn.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
-    held: dict[str, set[int]] = {}
-    active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
-    for job_id, attempt, node_name, gpus in conn.execute(
-        select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
-        .where(JobAllocation.active)
-        .order_by(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_rank)
-    ):
-        got = held.get(node_name)
-        if got is None:
-            held[node_name] = set(gpus)
-        else:
-            got.update(gpus)
-        got = active_allocs.get(job_id)
-        if got is None:
-            active_allocs[job_id] = [(attempt, node_name, gpus)]
-        else:
-            got.append((attempt, node_name, gpus))
+    pg = queue is not None and session.get_bind().dialect.name == "postgresql"
     fresh_after = now - timedelta(seconds=lost_after_s)
     # (the common node numbers its GPUs 0..gpus-1: one list per GPU count, read only)
     plain: dict[int, list[int]] = {}
     indices = {n.name: (gpu_indices(n) if n.gpu_indices is not None
                         else plain.get(n.gpus) or plain.setdefault(n.gpus, list(range(n.gpus))))
                for n in nodes}
+    active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
+    if pg:  # the active side kept across cycles, its changed rows read (ActiveCache)
+        kept_running = queue.active.refresh(conn, indices, now)
+        held = queue.active.held
+    else:
+        held = {}
+        for job_id, attempt, node_name, gpus in conn.execute(
+            select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
+            .where(JobAllocation.active)
+            .order_by(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_rank)
+        ):
+            got = held.get(node_name)
+            if got is None:
+                held[node_name] = set(gpus)
+            else:
+                got.update(gpus)
+            got = active_allocs.get(job_id)
+            if got is None:
+                active_allocs[job_id] = [(attempt, node_name, gpus)]
+            else:
+                got.append((attempt, node_name, gpus))
     node_views = tuple(
         sched.NodeView(
             name=n.name,
@@ -285,12 +411,13 @@ def _load(
         for n in nodes
     )
     mark = None
-    pg = queue is not None and session.get_bind().dialect.name == "postgresql"
     if queue is not None and not pg:
         mark = session.scalar(select(JobChangeCounter.seq).where(JobChangeCounter.id == 1))
         if mark is None:  # no counter (not migrated): no markers either
             queue = None
-    if queue is None:
+    if pg:
+        rows = ()  # (the active jobs came with ActiveCache, the queued ones come with _refresh_pg)
+    elif queue is None:
         rows = conn.execute(
             select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
         )
@@ -301,7 +428,7 @@ def _load(
     current = Shown()
     built: dict[int, tuple[tuple, sched.RunningJob]] = {}
     last: dict[int, tuple[tuple, sched.RunningJob]] = {}
-    if queue is not None:
+    if queue is not None and not pg:
         if queue.node_indices != indices:  # a node's GPU numbering changed (or the first cycle)
             queue.running = {}
         last, queue.node_indices = queue.running, indices
@@ -323,7 +450,7 @@ def _load(
         if key is not None:
             built[j.id] = (key, r)
         running.append(r)
-    if queue is not None:
+    if queue is not None and not pg:
         queue.running = built
     if pg:
         current = _refresh_pg(session, queue)
@@ -336,7 +463,7 @@ def _load(
     usage = {u.user_name: u.gpu_s for u in session.scalars(select(UserUsage))}
     snapshot = sched.Snapshot(
         nodes=node_views,
-        running=tuple(sorted(running, key=lambda r: r.id)),
+        running=kept_running if pg else tuple(sorted(running, key=lambda r: r.id)),
         queued=queue.queued() if queue is not None else tuple(sorted(queued, key=_by_id)),
         quotas=quotas,
         usage=usage,
