@@ -262,3 +262,55 @@ def test_the_active_side_reads_only_the_rows_whose_version_changed(api):
     cache.active.since -= scheduling.PG_HORIZON_MAX_AGE + 1  # as if ~1e9 transactions had run since
     _same(api, cache)
     assert cache.active.rows_read == 4 and cache.active.since >= first  # all read again, from now
+
+
+def test_a_nodes_view_is_built_again_only_when_its_row_or_its_held_gpus_change(api):
+    """``NodeCache``: a heartbeat that keeps a node fresh changes nothing the snapshot uses (the
+    same view object); a start (its held GPUs), a drain (its state) and a silence past
+    ``lost_after_s`` (its freshness, judged by the database) each build that node's view again,
+    and a node's new GPU numbering hands the active side a new numbering. Every snapshot equals
+    a full read (``_same``)."""
+    from datetime import timedelta
+
+    from hai.db.models import Node
+
+    for n in ("n0", "n1", "n2"):
+        api.register_node(n)
+    cache = scheduling.QueueCache()
+
+    def views() -> dict[str, object]:
+        _same(api, cache)
+        return {v.name: v for v in _snapshot(api, cache)[0].nodes}
+
+    first = views()
+    _write(api, lambda s: s.execute(update(Node).values(last_heartbeat_at=utcnow())))  # heartbeats
+    beat = views()
+    assert all(beat[n] is first[n] for n in first)
+
+    job = api.submit(gpus_per_node=4, name="one")["id"]
+    loop = SchedulerLoop(api.platform)
+    with leadership(api.platform, stop=threading.Event()) as lease:
+        assert _cycle(api, loop, lease).started == [job]
+    started = views()
+    placed = [n for n in first if started[n] is not first[n]]
+    assert len(placed) == 1 and len(started[placed[0]].free_gpus) == 4  # that node alone
+    other, last = [n for n in first if n not in placed]
+
+    _write(api, lambda s: s.execute(update(Node).where(Node.name == other).values(state="draining")))
+    drained = views()
+    assert drained[other] is not started[other] and not drained[other].schedulable
+    assert drained[last] is started[last] and drained[placed[0]] is started[placed[0]]
+
+    lost_after = api.platform.settings.agent.lost_after_s
+    _write(api, lambda s: s.execute(update(Node).where(Node.name == last).values(
+        last_heartbeat_at=utcnow() - timedelta(seconds=lost_after + 5))))
+    silent = views()
+    assert silent[last] is not drained[last] and not silent[last].schedulable
+
+    numbering = cache.nodes.indices
+    views()
+    assert cache.nodes.indices is numbering  # nothing renumbered: the very numbering
+    _write(api, lambda s: s.execute(update(Node).where(Node.name == placed[0]).values(
+        gpu_indices=[0, 1, 2, 3, 4, 5, 6, 9])))
+    views()
+    assert cache.nodes.indices is not numbering and cache.nodes.indices[placed[0]][-1] == 9

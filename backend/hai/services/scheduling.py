@@ -167,6 +167,7 @@ class ActiveCache:
         self.allocs: dict[int, tuple] = {}  # id -> the row (id, version, job_id, attempt, node_rank, node_name, gpus)
         self.of_job: dict[int, dict[int, tuple[int, int, str, list[int]]]] = {}  # job -> alloc id -> (attempt, rank, node, gpus)
         self.held: dict[str, set[int]] = {}  # node -> the GPU indices its active allocations hold
+        self.held_changed: set[str] = set()  # the nodes whose ``held`` changed since the caller last cleared it
         self.built: dict[int, sched.RunningJob] = {}
         self.unstarted: set[int] = set()  # the active jobs whose attempt has no start yet
         self.ordered: tuple[sched.RunningJob, ...] | None = None  # ``built`` by id; None after a change
@@ -180,8 +181,10 @@ class ActiveCache:
         cur.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
         next_xid = cur.fetchone()[0]
         if self.since is None or next_xid - self.since > PG_HORIZON_MAX_AGE:
+            had = set(self.held)
             self.__init__()
             self.since = next_xid
+            self.held_changed = had  # (their views held GPUs that are read again now)
         dirty: set[int] = set()
         self.rows_read = 0
         # the allocations first: a removed one's GPUs leave ``held`` before a new one's come in
@@ -217,7 +220,7 @@ class ActiveCache:
                     unstarted.add(j.id)
             dirty.update(changed)
             self.rows_read += len(changed)
-        if indices != self.indices:
+        if indices is not self.indices and indices != self.indices:
             self.indices = indices
             dirty = set(jobs)
         for i in dirty | unstarted:  # (a job whose attempt has no start yet counts from ``now``)
@@ -240,6 +243,7 @@ class ActiveCache:
     def _drop_alloc(self, i: int, dirty: set[int]) -> None:
         _, _, job_id, _, _, node, gpus = self.allocs.pop(i)
         self.held[node].difference_update(gpus)
+        self.held_changed.add(node)
         mine = self.of_job[job_id]
         del mine[i]
         if not mine:
@@ -249,8 +253,69 @@ class ActiveCache:
     def _add_alloc(self, a: Row, dirty: set[int]) -> None:
         self.allocs[a.id] = tuple(a)
         self.held.setdefault(a.node_name, set()).update(a.gpus)
+        self.held_changed.add(a.node_name)
         self.of_job.setdefault(a.job_id, {})[a.id] = (a.attempt, a.node_rank, a.node_name, a.gpus)
         dirty.add(a.job_id)
+
+
+# what the snapshot uses of a node, its schedulable flag computed by the database (the heartbeat's
+# time itself changes every second: a row of these columns stays the same while the node does)
+_NODE_ROWS = ("SELECT name, zone, leaf, gpus, gpu_indices,"
+              " coalesce(state = ANY(%s) AND last_heartbeat_at >= %s, false) FROM nodes ORDER BY name")
+
+
+class NodeCache:
+    """PostgreSQL: each node's view of the last cycle (issue 12: at 10,000 nodes, building every
+    NodeView from every node's row again was ~85% of a steady cycle's read once the active side
+    was kept, benchmarks/sqlite_cycle.py). A cycle reads what the snapshot uses of each node as
+    a plain row, with its schedulable flag (state and heartbeat's freshness) computed by the
+    database, and builds again only the views of the nodes whose row changed or whose held GPUs
+    changed (``ActiveCache.held_changed``); the GPU numbering is a new dict only when a node's
+    changed, so that ActiveCache sees it unchanged without comparing it."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple] = {}
+        self.views: dict[str, sched.NodeView] = {}
+        self.indices: dict[str, list[int]] = {}
+        self.ordered: tuple[sched.NodeView, ...] = ()
+        self._plain: dict[int, list[int]] = {}  # one 0..gpus-1 list per GPU count, read only
+        self._order: list[str] = []  # the nodes' names in the database's order
+
+    def read(self, conn: Connection, fresh_after: datetime) -> tuple[set[str], dict[str, list[int]]]:
+        """The nodes' rows as of now: the names whose row changed (or is new), and the numbering."""
+        cur = conn.connection.driver_connection.cursor()
+        cur.execute(_NODE_ROWS, (sorted(SCHEDULABLE_NODE_STATES), fresh_after))
+        rows = cur.fetchall()
+        last, changed = self.rows, set()
+        if len(rows) != len(last) or any(last.get(r[0]) != r for r in rows):
+            self.rows = {r[0]: r for r in rows}
+            changed = {r[0] for r in rows if last.get(r[0]) != r}
+            renumbered = len(rows) != len(last) or any(last[n][3:5] != self.rows[n][3:5] for n in changed if n in last)
+            if renumbered:
+                plain = self._plain
+                self.indices = {name: (sorted(ix) if ix is not None and len(ix) == gpus
+                                       else plain.get(gpus) or plain.setdefault(gpus, list(range(gpus))))
+                                for name, _z, _l, gpus, ix, _s in rows}
+            self._order = [r[0] for r in rows]
+        return changed, self.indices
+
+    def views_of(self, changed: set[str], held: dict[str, set[int]]) -> tuple[sched.NodeView, ...]:
+        """Every node's view, those of ``changed`` built again."""
+        if changed or len(self.views) != len(self.rows):
+            views, rows, indices = self.views, self.rows, self.indices
+            for name in changed:
+                row = rows.get(name)
+                if row is None:
+                    views.pop(name, None)
+                    continue
+                _, zone, leaf, gpus, _ix, schedulable = row
+                views[name] = sched.NodeView(name=name, zone=zone, leaf=leaf, gpus=gpus,
+                                             free_gpus=_free(indices[name], held.get(name)),
+                                             schedulable=schedulable)
+            for name in [n for n in views if n not in rows]:
+                del views[name]
+            self.ordered = tuple(views[n] for n in self._order)
+        return self.ordered
 
 
 class QueueCache:
@@ -308,8 +373,10 @@ class QueueCache:
         # built from, not by a marker, so reset() leaves them: they are never stale
         self.running: dict[int, tuple[tuple, sched.RunningJob]] = {}
         self.node_indices: dict[str, list[int]] = {}
-        # PostgreSQL keeps the active side by each row's version instead (``ActiveCache``)
+        # PostgreSQL keeps the active side by each row's version instead (``ActiveCache``), and
+        # the nodes' views while their rows and held GPUs are unchanged (``NodeCache``)
         self.active = ActiveCache()
+        self.nodes = NodeCache()
 
     def reset(self) -> None:
         self.mark = None
@@ -368,20 +435,23 @@ def _load(
     # plain column reads go through the connection (Core rows): the ORM's loading of column rows
     # cost ~15% of this read at 10,000 nodes and 20,000 running jobs (benchmarks/sqlite_cycle.py)
     conn = session.connection()
-    nodes = conn.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
     pg = queue is not None and session.get_bind().dialect.name == "postgresql"
     fresh_after = now - timedelta(seconds=lost_after_s)
-    # (the common node numbers its GPUs 0..gpus-1: one list per GPU count, read only)
-    plain: dict[int, list[int]] = {}
-    indices = {n.name: (gpu_indices(n) if n.gpu_indices is not None
-                        else plain.get(n.gpus) or plain.setdefault(n.gpus, list(range(n.gpus))))
-               for n in nodes}
     active_allocs: dict[int, list[tuple[int, str, list[int]]]] = {}
-    if pg:  # the active side kept across cycles, its changed rows read (ActiveCache)
+    if pg:  # the nodes' views and the active side kept across cycles, their changed rows read
+        changed_nodes, indices = queue.nodes.read(conn, fresh_after)
         kept_running = queue.active.refresh(conn, indices, now)
-        held = queue.active.held
+        changed_nodes |= queue.active.held_changed
+        queue.active.held_changed = set()
+        node_views = queue.nodes.views_of(changed_nodes, queue.active.held)
     else:
-        held = {}
+        nodes = conn.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
+        # (the common node numbers its GPUs 0..gpus-1: one list per GPU count, read only)
+        plain: dict[int, list[int]] = {}
+        indices = {n.name: (gpu_indices(n) if n.gpu_indices is not None
+                            else plain.get(n.gpus) or plain.setdefault(n.gpus, list(range(n.gpus))))
+                   for n in nodes}
+        held: dict[str, set[int]] = {}
         for job_id, attempt, node_name, gpus in conn.execute(
             select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
             .where(JobAllocation.active)
@@ -397,19 +467,19 @@ def _load(
                 active_allocs[job_id] = [(attempt, node_name, gpus)]
             else:
                 got.append((attempt, node_name, gpus))
-    node_views = tuple(
-        sched.NodeView(
-            name=n.name,
-            zone=n.zone,
-            leaf=n.leaf,
-            gpus=n.gpus,
-            free_gpus=_free(indices[n.name], held.get(n.name)),
-            schedulable=n.state in SCHEDULABLE_NODE_STATES
-            and n.last_heartbeat_at is not None
-            and n.last_heartbeat_at >= fresh_after,
+        node_views = tuple(
+            sched.NodeView(
+                name=n.name,
+                zone=n.zone,
+                leaf=n.leaf,
+                gpus=n.gpus,
+                free_gpus=_free(indices[n.name], held.get(n.name)),
+                schedulable=n.state in SCHEDULABLE_NODE_STATES
+                and n.last_heartbeat_at is not None
+                and n.last_heartbeat_at >= fresh_after,
+            )
+            for n in nodes
         )
-        for n in nodes
-    )
     mark = None
     if queue is not None and not pg:
         mark = session.scalar(select(JobChangeCounter.seq).where(JobChangeCounter.id == 1))
