@@ -204,6 +204,7 @@ class ActiveCache:
             self.rows_read += len(changed)
         cur.execute(_ACTIVE_JOB_VERSIONS, (list(_ACTIVE_VALUES),))
         versions = dict(cur.fetchall())
+        cur.close()
         jobs, built = self.jobs, self.built
         changed = [i for i, v in versions.items() if (j := jobs.get(i)) is None or j[0] != v]
         unstarted = self.unstarted
@@ -283,9 +284,9 @@ class NodeCache:
 
     def read(self, conn: Connection, fresh_after: datetime) -> tuple[set[str], dict[str, list[int]]]:
         """The nodes' rows as of now: the names whose row changed (or is new), and the numbering."""
-        cur = conn.connection.driver_connection.cursor()
-        cur.execute(_NODE_ROWS, (sorted(SCHEDULABLE_NODE_STATES), fresh_after))
-        rows = cur.fetchall()
+        with conn.connection.driver_connection.cursor() as cur:
+            cur.execute(_NODE_ROWS, (sorted(SCHEDULABLE_NODE_STATES), fresh_after))
+            rows = cur.fetchall()
         last, changed = self.rows, set()
         if len(rows) != len(last) or any(last.get(r[0]) != r for r in rows):
             self.rows = {r[0]: r for r in rows}
