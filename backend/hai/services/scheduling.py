@@ -14,7 +14,8 @@ from datetime import datetime, timedelta
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Row, Text, and_, bindparam, case, cast, func, literal_column, select, text, update
+from sqlalchemy import Connection, Integer, Row, Text, and_, any_, bindparam, case, cast, func, literal_column, select, text, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from hai.db.base import utcnow
@@ -144,6 +145,12 @@ _ALLOC_COLUMNS = (JobAllocation.id, literal_column("job_allocations.xmin::text::
                   JobAllocation.gpus)
 
 
+def _any_id(ids: list[int]):  # noqa: ANN202
+    """``= ANY(array)``: one parameter however many ids (an IN list binds one each, and the
+    driver takes at most 65,535: a first read of more active rows than that would fail)."""
+    return any_(bindparam("ids", ids, type_=ARRAY(Integer)))
+
+
 class ActiveCache:
     """PostgreSQL: every active job's row and active allocation of the last cycle, each with the
     version it was read at (its ``xmin``), and each active job's RunningJob (issue 12: at 10,000
@@ -199,7 +206,7 @@ class ActiveCache:
             for i in changed:
                 if i in allocs:
                     self._drop_alloc(i, dirty)
-            for a in conn.execute(select(*_ALLOC_COLUMNS).where(JobAllocation.id.in_(changed), JobAllocation.active)):
+            for a in conn.execute(select(*_ALLOC_COLUMNS).where(JobAllocation.id == _any_id(changed), JobAllocation.active)):
                 self._add_alloc(a, dirty)
             self.rows_read += len(changed)
         cur.execute(_ACTIVE_JOB_VERSIONS, (list(_ACTIVE_VALUES),))
@@ -215,7 +222,7 @@ class ActiveCache:
             for i in changed:
                 self._drop_job(i)
             for j in conn.execute(select(literal_column("jobs.xmin::text::bigint").label("version"), *_JOB_COLUMNS)
-                                  .where(Job.id.in_(changed), Job.state.in_(_ACTIVE_VALUES))):
+                                  .where(Job.id == _any_id(changed), Job.state.in_(_ACTIVE_VALUES))):
                 jobs[j.id] = (j.version, j)
                 if j.attempt_started_at is None:
                     unstarted.add(j.id)
