@@ -30,6 +30,9 @@ median CPU of the three parts of a steady cycle with the queue cache: the snapsh
 and how many job rows such a cycle read again (``queue_cache_rows_read_median``: the rows written
 since the cycle before, mostly by it: pending reasons, reservations, starts).
 
+``--finished N``: N finished jobs in the table as well (a cluster's history: nothing deletes a job
+row), with their events and inactive allocations.
+
 ``--cache-only`` (with ``--ran-s 86400``): no cycle without the cache in between. Pending reasons
 whose numbers alone change are written at each job's refresh moment
 (``HAI_SCHEDULER__PENDING_REASON_REFRESH_S``, 30 s; 0: every change at once, as before):
@@ -80,6 +83,10 @@ def main() -> None:
     ap.add_argument("--arrivals", type=int, default=0, metavar="K",
                     help="instead of steady cycles: --repeat cycles with the queue cache, K submissions "
                          "(the API's service, not timed) before each")
+    ap.add_argument("--finished", type=int, default=0, metavar="N",
+                    help="N finished jobs of the past in the table too (succeeded, each with its events and "
+                         "an inactive allocation on one of the nodes): the history a cluster accumulates, "
+                         "which no job row leaves")
     ap.add_argument("--cache-only", action="store_true",
                     help="only the cycles with the queue cache, none reading the whole queue between them (a "
                          "cycle without the cache keeps no record of the pending reasons it wrote, so it writes "
@@ -104,7 +111,10 @@ def main() -> None:
         names = api_load.seed_nodes(settings, args.nodes)
         api_load.seed_jobs(settings.database_url, users[1:], args.running, states=["running"], nodes=names,
                            gpus=run_gpus, prefix="run")
+        api_load.seed_jobs(settings.database_url, users[1:], args.finished, states=["succeeded"], nodes=names,
+                           gpus=8, prefix="done")
         api_load.seed_jobs(settings.database_url, users[1:], args.queued)
+        out["finished"] = args.finished
         parts = _timed_parts()
         platform = Platform.from_settings(settings)
         if args.running:
