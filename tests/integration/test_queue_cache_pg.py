@@ -314,3 +314,7 @@ def test_a_nodes_view_is_built_again_only_when_its_row_or_its_held_gpus_change(a
         gpu_indices=[0, 1, 2, 3, 4, 5, 6, 9])))
     views()
     assert cache.nodes.indices is not numbering and cache.nodes.indices[placed[0]][-1] == 9
+
+    # a node's row gone (raw SQL; nothing in the platform deletes one): its view leaves too
+    _write(api, lambda s: s.execute(text("DELETE FROM nodes WHERE name = :n"), {"n": other}))
+    assert sorted(views()) == sorted(n for n in first if n != other)

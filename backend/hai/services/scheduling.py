@@ -63,6 +63,14 @@ def gpu_indices(node: Node | Row) -> list[int]:
     return sorted(indices) if indices is not None and len(indices) == node.gpus else list(range(node.gpus))
 
 
+def _numbering(gpus: int, listed: list[int] | None, plain: dict[int, list[int]]) -> list[int]:
+    """``gpu_indices`` of a node's GPU count and listed indices; the common 0..gpus-1 is one list
+    per GPU count from ``plain``, shared and read only."""
+    if listed is not None and len(listed) == gpus:
+        return sorted(listed)
+    return plain.get(gpus) or plain.setdefault(gpus, list(range(gpus)))
+
+
 def _positions(indices: list[int], held: set[int] | list[int]) -> tuple[int, ...]:
     if indices and indices[-1] == len(indices) - 1:  # sorted, so 0..n-1: positions are the indices
         got = sorted(held)
@@ -151,6 +159,16 @@ def _any_id(ids: list[int]):  # noqa: ANN202
     return any_(bindparam("ids", ids, type_=ARRAY(Integer)))
 
 
+def _versions_changed(kept: dict[int, tuple], versions: dict[int, int], at: int) -> tuple[list[int], list[int]]:
+    """The ids of ``versions`` (id -> row version as read now) whose version differs from the one
+    at index ``at`` of their ``kept`` entry, or that are new; and the kept ids no longer listed
+    (looked for only when the counts say some are gone)."""
+    changed = [i for i, v in versions.items() if (k := kept.get(i)) is None or k[at] != v]
+    if len(kept) + sum(i not in kept for i in changed) == len(versions):
+        return changed, []
+    return changed, [i for i in kept if i not in versions]
+
+
 class ActiveCache:
     """PostgreSQL: every active job's row and active allocation of the last cycle, each with the
     version it was read at (its ``xmin``), and each active job's RunningJob (issue 12: at 10,000
@@ -174,7 +192,7 @@ class ActiveCache:
         self.allocs: dict[int, tuple] = {}  # id -> the row (id, version, job_id, attempt, node_rank, node_name, gpus)
         self.of_job: dict[int, dict[int, tuple[int, int, str, list[int]]]] = {}  # job -> alloc id -> (attempt, rank, node, gpus)
         self.held: dict[str, set[int]] = {}  # node -> the GPU indices its active allocations hold
-        self.held_changed: set[str] = set()  # the nodes whose ``held`` changed since the caller last cleared it
+        self.held_changed: set[str] = set()  # the nodes whose ``held`` changed in the last refresh
         self.built: dict[int, sched.RunningJob] = {}
         self.unstarted: set[int] = set()  # the active jobs whose attempt has no start yet
         self.ordered: tuple[sched.RunningJob, ...] | None = None  # ``built`` by id; None after a change
@@ -187,21 +205,21 @@ class ActiveCache:
         cur = conn.connection.driver_connection.cursor()
         cur.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
         next_xid = cur.fetchone()[0]
+        held_changed: set[str] = set()
         if self.since is None or next_xid - self.since > PG_HORIZON_MAX_AGE:
-            had = set(self.held)
+            held_changed = set(self.held)  # (their views held GPUs that are read again now)
             self.__init__()
             self.since = next_xid
-            self.held_changed = had  # (their views held GPUs that are read again now)
+        self.held_changed = held_changed
         dirty: set[int] = set()
         self.rows_read = 0
         # the allocations first: a removed one's GPUs leave ``held`` before a new one's come in
         cur.execute(_ALLOC_VERSIONS)
         versions = dict(cur.fetchall())
         allocs = self.allocs
-        changed = [i for i, v in versions.items() if (a := allocs.get(i)) is None or a[1] != v]
-        if len(allocs) + sum(i not in allocs for i in changed) != len(versions):
-            for i in [i for i in allocs if i not in versions]:
-                self._drop_alloc(i, dirty)
+        changed, gone = _versions_changed(allocs, versions, 1)
+        for i in gone:
+            self._drop_alloc(i, dirty)
         if changed:
             for i in changed:
                 if i in allocs:
@@ -213,11 +231,10 @@ class ActiveCache:
         versions = dict(cur.fetchall())
         cur.close()
         jobs, built = self.jobs, self.built
-        changed = [i for i, v in versions.items() if (j := jobs.get(i)) is None or j[0] != v]
+        changed, gone = _versions_changed(jobs, versions, 0)
         unstarted = self.unstarted
-        if len(jobs) + sum(i not in jobs for i in changed) != len(versions):
-            for i in [i for i in jobs if i not in versions]:
-                self._drop_job(i)
+        for i in gone:
+            self._drop_job(i)
         if changed:
             for i in changed:
                 self._drop_job(i)
@@ -290,26 +307,24 @@ class NodeCache:
         self._order: list[str] = []  # the nodes' names in the database's order
 
     def read(self, conn: Connection, fresh_after: datetime) -> tuple[set[str], dict[str, list[int]]]:
-        """The nodes' rows as of now: the names whose row changed (or is new), and the numbering."""
+        """The nodes' rows as of now: the names whose row changed (or is new, or gone), and the
+        numbering."""
         with conn.connection.driver_connection.cursor() as cur:
             cur.execute(_NODE_ROWS, (sorted(SCHEDULABLE_NODE_STATES), fresh_after))
             rows = cur.fetchall()
         last, changed = self.rows, set()
         if len(rows) != len(last) or any(last.get(r[0]) != r for r in rows):
             self.rows = {r[0]: r for r in rows}
-            changed = {r[0] for r in rows if last.get(r[0]) != r}
+            changed = {r[0] for r in rows if last.get(r[0]) != r} | (last.keys() - self.rows.keys())
             renumbered = len(rows) != len(last) or any(last[n][3:5] != self.rows[n][3:5] for n in changed if n in last)
             if renumbered:
-                plain = self._plain
-                self.indices = {name: (sorted(ix) if ix is not None and len(ix) == gpus
-                                       else plain.get(gpus) or plain.setdefault(gpus, list(range(gpus))))
-                                for name, _z, _l, gpus, ix, _s in rows}
+                self.indices = {name: _numbering(gpus, ix, self._plain) for name, _z, _l, gpus, ix, _s in rows}
             self._order = [r[0] for r in rows]
         return changed, self.indices
 
     def views_of(self, changed: set[str], held: dict[str, set[int]]) -> tuple[sched.NodeView, ...]:
-        """Every node's view, those of ``changed`` built again."""
-        if changed or len(self.views) != len(self.rows):
+        """Every node's view, those of ``changed`` built again (or dropped: a node gone)."""
+        if changed:
             views, rows, indices = self.views, self.rows, self.indices
             for name in changed:
                 row = rows.get(name)
@@ -320,8 +335,6 @@ class NodeCache:
                 views[name] = sched.NodeView(name=name, zone=zone, leaf=leaf, gpus=gpus,
                                              free_gpus=_free(indices[name], held.get(name)),
                                              schedulable=schedulable)
-            for name in [n for n in views if n not in rows]:
-                del views[name]
             self.ordered = tuple(views[n] for n in self._order)
         return self.ordered
 
@@ -450,15 +463,11 @@ def _load(
         changed_nodes, indices = queue.nodes.read(conn, fresh_after)
         kept_running = queue.active.refresh(conn, indices, now)
         changed_nodes |= queue.active.held_changed
-        queue.active.held_changed = set()
         node_views = queue.nodes.views_of(changed_nodes, queue.active.held)
     else:
         nodes = conn.execute(select(*_NODE_COLUMNS).order_by(Node.name)).all()
-        # (the common node numbers its GPUs 0..gpus-1: one list per GPU count, read only)
         plain: dict[int, list[int]] = {}
-        indices = {n.name: (gpu_indices(n) if n.gpu_indices is not None
-                            else plain.get(n.gpus) or plain.setdefault(n.gpus, list(range(n.gpus))))
-                   for n in nodes}
+        indices = {n.name: _numbering(n.gpus, n.gpu_indices, plain) for n in nodes}
         held: dict[str, set[int]] = {}
         for job_id, attempt, node_name, gpus in conn.execute(
             select(JobAllocation.job_id, JobAllocation.attempt, JobAllocation.node_name, JobAllocation.gpus)
