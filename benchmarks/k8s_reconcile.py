@@ -25,7 +25,6 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path

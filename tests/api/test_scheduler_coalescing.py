@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 
 from hai.services.runner import SchedulerLoop
 from hai.services.scheduling import CycleResult

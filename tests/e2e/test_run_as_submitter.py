@@ -12,7 +12,6 @@ import secrets
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -21,7 +21,6 @@ import re
 import secrets
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit

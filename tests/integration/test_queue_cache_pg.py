@@ -58,10 +58,16 @@ def test_the_incremental_queue_equals_a_full_read_after_every_kind_of_write_on_p
         assert loop.queue.full_reads == 1
 
         queued = [j for j in jobs if j not in first.started]
+        reads = cache.full_reads
         api.post(f"/api/v1/jobs/{queued[0]}/cancel", api.admin).raise_for_status()
         api.post(f"/api/v1/jobs/{queued[1]}/suspend", api.admin).raise_for_status()  # held: leaves the snapshot
         _same(api, cache)
         assert queued[0] not in cache.jobs and queued[1] not in cache.jobs
+        # the cancelled row is not read (a terminal state): the count noticed, the queued ids said which
+        assert (cache.full_reads, cache.departures_read) == (reads, 1)
+        # a finished job's row written again is not read at all (the history is not scanned)
+        _write(api, lambda s: s.execute(update(Job).where(Job.id == queued[0]).values(name="renamed")))
+        assert _same(api, cache) == 0 and cache.departures_read == 1
         api.post(f"/api/v1/jobs/{queued[1]}/resume", api.admin).raise_for_status()
         _same(api, cache)
         assert queued[1] in cache.jobs
@@ -134,7 +140,7 @@ def _open_across_a_read(api, cache, loop, lease):  # noqa: ANN001, ANN202
     transaction commits before the read."""
     ids = sorted(cache.jobs)
     a, commit_a = _open(api, "UPDATE jobs SET priority = 'VERY_HIGH' WHERE id = :i", i=ids[0])
-    b, commit_b = _open(api, "UPDATE jobs SET state = 'CANCELLED' WHERE id = :i", i=ids[1])
+    b, commit_b = _open(api, "UPDATE jobs SET state = 'cancelled' WHERE id = :i", i=ids[1])
     c, commit_c = _open(api, "INSERT INTO jobs SELECT (jsonb_populate_record(NULL::jobs, to_jsonb(j) || jsonb_build_object("
                         "'id', nextval(pg_get_serial_sequence('jobs', 'id')), 'name', 'copy'))).* FROM jobs j WHERE id = :i",
                         i=ids[2])
@@ -162,7 +168,8 @@ def test_a_write_open_across_a_read_and_committed_after_it_is_read_next_time(api
         reads = cache.full_reads
         ids = _open_across_a_read(api, cache, loop, lease)
         _same(api, cache)  # the three commits are in the cache
-        assert cache.full_reads == reads  # found by the horizon, not by the count check
+        # the update and the insert found by the horizon, the cancellation by the count and the ids
+        assert cache.full_reads == reads and cache.departures_read == 1
         assert cache.jobs[ids[0]].priority.value == "VERY_HIGH" and ids[1] not in cache.jobs
         expected = tuple(q.id for q in _snapshot(api)[0].queued)
         assert loop.cycle_once(lease).considered == expected

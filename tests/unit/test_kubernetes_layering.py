@@ -4,7 +4,6 @@ package's __init__, imported with it inside job images) is stdlib-only."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from tests.unit.test_layering import PKG, _imports
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import random
 import threading
 from collections.abc import Iterable, Mapping

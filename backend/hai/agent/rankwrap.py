@@ -40,7 +40,6 @@ isolated mode, so the job's environment (PYTHONPATH, PYTHONHOME, ...) cannot bre
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os

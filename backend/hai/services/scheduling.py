@@ -359,20 +359,25 @@ class QueueCache:
     records already: each row version's ``xmin``, the transaction that wrote it. ``mark`` is
     the horizon of the last read, ``pg_snapshot_xmin`` of that read's own snapshot (every
     transaction older had ended: its rows were seen, or it aborted); the next read takes the
-    rows whose xmin is not older, whatever their state. A transaction open across the read and
+    queued and active rows whose xmin is not older, through the state index (not the finished
+    ones: the table keeps every job ever run, and a scan of it all cost PostgreSQL 194 ms a
+    cycle with 1,000,000 of them). A job that left the queue for a terminal state (or whose row
+    was deleted) is not read: the cache is then larger than the count of queued jobs, and the
+    ids still queued (the state index again) say which to drop. A transaction open across the read and
     committed after it is not older (a sequence number, or the newest id seen, misses it:
     ``tests/integration/test_queue_cache_pg.py``). A savepoint's rows carry its subtransaction's
     id, which is larger than its parent's; a HOT update writes a new row version with its own
     xmin like any update; a row lock (``FOR UPDATE``) sets xmax only and changes nothing the
     cycle reads; freezing keeps (or hides as 2) an xmin older than any horizon. The 32-bit xmin
     is compared modulo 2**32, exact while the horizon is under 2**31 transactions old: past
-    PG_HORIZON_MAX_AGE, any error, or a count mismatch, the whole queue is read again."""
+    PG_HORIZON_MAX_AGE, any error, or a cache smaller than the count, the whole queue is read again."""
 
     def __init__(self) -> None:
         self.mark: int | None = None  # None: the next read is a full one
         self.jobs: dict[int, sched.QueuedJob] = {}
         self.shows = Shown()  # (handed to apply_decisions as ``current``: read only)
         self.full_reads = 0
+        self.departures_read = 0  # PostgreSQL: reads of the queued ids, after jobs left for a terminal state
         self.rows_read = 0  # rows of queued (or formerly queued) jobs read by the last cycle
         # ``jobs`` ordered by id as the snapshot holds them; None after any row read: a cycle that
         # read none hands the domain the very tuple of the last one (``KeptQueue.sync`` then has
@@ -678,13 +683,19 @@ PG_HORIZON_MAX_AGE = 1_000_000_000
 _XID_WRAP = 1 << 32
 # the oldest transaction the next read must look at again: the snapshot's xmin, or this
 # transaction's own id if smaller (least() ignores NULL: no id yet)
+# the states whose rows the queue's read looks at: a job that left the queue for one of the others
+# (terminal) is found by the count of queued jobs instead (its row is not read: the table keeps
+# every finished job, and a scan of it all cost PostgreSQL 194 ms a cycle with 1,000,000 of them)
+_QUEUE_SIDE = (JobState.QUEUED.value, *_ACTIVE_VALUES)
+_QUEUED_IDS = f"SELECT id FROM jobs WHERE state = '{JobState.QUEUED.value}' AND NOT user_suspended"
 PG_HORIZON = ("least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,"
               " pg_current_xact_id_if_assigned()::text::bigint)")
 
 
 def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
-    """``queue`` (the queued jobs not held) refreshed with the job rows written by every
-    transaction not known to have ended at its last read (PostgreSQL, see QueueCache); returns
+    """``queue`` (the queued jobs not held) refreshed with the queued and active job rows written
+    by every transaction not known to have ended at its last read, and rid of the jobs no longer
+    queued at all (PostgreSQL, see QueueCache); returns
     their pending reasons and reservations as read.
 
     One statement, so one snapshot (at any isolation level) for the horizon, the count of queued
@@ -705,11 +716,15 @@ def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
         if full:
             on = Job.state == JobState.QUEUED.value
         else:
-            # the row's xmin (32 bits) not older than the horizon, modulo 2**32: exact while the
-            # horizon is less than 2**31 transactions old (PG_HORIZON_MAX_AGE, checked below); a
-            # frozen row keeps its old xmin (or shows 2): older, not read
-            on = text("((jobs.xmin::text::bigint - :h32) & 4294967295) < 2147483648").bindparams(
-                h32=queue.mark % _XID_WRAP)
+            # the row's xmin (32 bits) not older than the horizon: ``age`` counts back from one
+            # transaction id for both (this one's, or the next to be given), modulo 2**32, exact
+            # while the horizon is less than 2**31 transactions old (PG_HORIZON_MAX_AGE, checked
+            # below); a row written after that id has a negative age (read); a frozen row keeps its
+            # old xmin or shows 2, whose age is the largest there is: older, not read. (``age``
+            # takes a third less of PostgreSQL's time than the modular arithmetic on
+            # ``xmin::text::bigint`` it replaced: EXPLAIN ANALYZE, benchmarks/README.md)
+            on = and_(Job.state.in_(_QUEUE_SIDE), text("age(jobs.xmin) <= age(CAST(CAST(:h32 AS text) AS xid))")
+                      .bindparams(h32=queue.mark % _XID_WRAP))
         rows = session.execute(select(h.c.horizon, h.c.next_xid, h.c.queued, *_JOB_COLUMNS)
                                .select_from(h.outerjoin(Job, on)))
         jobs, shows = queue.jobs, queue.shows
@@ -733,6 +748,24 @@ def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
         if next_xid - queue.mark > PG_HORIZON_MAX_AGE:
             log.warning("scheduler: the queue cache's horizon is %d transactions old: reading it all again",
                         next_xid - queue.mark)
+        elif len(jobs) > queued_count:
+            # jobs left the queue for a state not read (cancelled, failed): the ids still queued,
+            # through the state index, and the cache's others dropped (what changed after this
+            # statement's snapshot is written by a transaction not older than its horizon: read
+            # next cycle, as any other write)
+            cur = session.connection().connection.driver_connection.cursor()
+            cur.execute(_QUEUED_IDS)
+            still = {i for i, in cur}
+            cur.close()
+            left = [i for i in jobs if i not in still]
+            for i in left:
+                del jobs[i]
+                shows.drop(i)
+            queue.departures_read += 1
+            queue.rows_read += len(left)
+            queue._read(left, False)
+            queue.mark = horizon
+            break
         elif len(jobs) != queued_count:
             log.warning("scheduler: the queue cache holds %d jobs, the database %d queued: reading it all again",
                         len(jobs), queued_count)

@@ -33,7 +33,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 EVENT_PREFIX = "\x1ehai-event "
 SUSPEND_FILE = "suspend"
