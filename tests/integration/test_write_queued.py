@@ -28,20 +28,26 @@ def _job(session, user, name: str, *, state: str = JobState.QUEUED.value, held: 
     return job
 
 
+# text that a literal or an encoding could mangle: quotes, a backslash, braces and a comma (an
+# array literal's syntax), a JSON escape, a newline, accents and a character beyond the BMP
+ODD_REASON = 'Reserved: "n\'1", {a,b} \\u0041 \\ naïve ✓ 😀\nsecond line'
+ODD_NODE = 'node "x", {y}\\z'
+
+
 def test_queued_jobs_reasons_and_reservations_written_by_the_rules_in_one_statement(sessions):
     with sessions() as s:
         user, _ = auth.create_user(session=s, name="alice", group="g")
-        jobs = {name: _job(s, user, name) for name in ("a", "b", "c", "d")}
+        jobs = {name: _job(s, user, name) for name in ("a", "b", "c", "d", "e")}
         jobs["held"] = _job(s, user, "held", held=True)
         jobs["running"] = _job(s, user, "running", state=JobState.RUNNING.value)
         s.commit()
         ids = {name: job.id for name, job in jobs.items()}
 
     decisions = sched.Decisions(
-        reservations={ids["b"]: ("n1", "n2"), ids["held"]: ("n3",), ids["d"]: ("n4",)},
+        reservations={ids["b"]: ("n1", "n2"), ids["held"]: ("n3",), ids["d"]: ("n4",), ids["e"]: (ODD_NODE,)},
         pending_reasons={ids["a"]: "Resources: no node has 1 free GPU", ids["b"]: "Reserved: n1, n2",
                          ids["c"]: "Priority: behind job 1", ids["held"]: "Priority: behind job 2",
-                         ids["running"]: "Priority: behind job 3"},
+                         ids["running"]: "Priority: behind job 3", ids["e"]: ODD_REASON},
     )
     # d: its reservation only (no reason: it keeps its own); running: no longer queued
     statements: list[tuple[str, bool]] = []  # (statement, executemany)
@@ -67,15 +73,16 @@ def test_queued_jobs_reasons_and_reservations_written_by_the_rules_in_one_statem
         "b": ("Reserved: n1, n2", ["n1", "n2"]),
         "c": ("Priority: behind job 1", []),
         "d": ("waiting", ["n4"]),
+        "e": (ODD_REASON, [ODD_NODE]),  # the text as given, whatever it holds
         "held": ("waiting", ["n3"]),  # held by its owner: its reason stays
         "running": ("waiting", []),  # not queued: not written
     }
     # one call: on SQLite an executemany of the UPDATE (one statement a job); on PostgreSQL one
-    # statement over arrays, executed once
+    # statement over one JSON document of the writes, executed once
     assert len(statements) == 1
     statement, many = statements[0]
     if dialect == "postgresql":
-        assert not many and "unnest" in statement
+        assert not many and "json_array_elements" in statement
     else:
         assert many
 
