@@ -40,6 +40,12 @@ def _same(api, cache) -> int:  # noqa: ANN001
     assert snap.queued == full_snap.queued
     assert now == full_now
     assert snap.running == full_snap.running and snap.nodes == full_snap.nodes
+    # the usage's input (each user's GPUs held): on PostgreSQL the active cache's counts, kept as
+    # jobs came, changed and went, must be what walking every running job gives
+    counted = scheduling.gpus_by_user(snap.running, cache.active)
+    assert counted == scheduling.gpus_by_user(full_snap.running)
+    if api.platform.engine.dialect.name == "postgresql":
+        assert counted is cache.active.gpus_of_user
     if last:  # a read that found no row changed hands over the very tuple of the last (KeptQueue.sync: no proof)
         assert (snap.queued is last) == (cache.rows_read == 0 and cache.full_reads == full_reads)
     delta = snap.queue_delta

@@ -194,6 +194,9 @@ class ActiveCache:
         self.held: dict[str, set[int]] = {}  # node -> the GPU indices its active allocations hold
         self.held_changed: set[str] = set()  # the nodes whose ``held`` changed in the last refresh
         self.built: dict[int, sched.RunningJob] = {}
+        # over ``built``: each user's GPUs and jobs (``gpus_by_user``: the usage's input)
+        self.gpus_of_user: dict[str, int] = {}
+        self.jobs_of_user: dict[str, int] = {}
         self.unstarted: set[int] = set()  # the active jobs whose attempt has no start yet
         self.ordered: tuple[sched.RunningJob, ...] | None = None  # ``built`` by id; None after a change
         self.indices: dict[str, list[int]] | None = None  # the nodes' GPU numbering ``built`` used
@@ -253,7 +256,11 @@ class ActiveCache:
             if got is not None:
                 mine = self.of_job.get(i)
                 allocs = [(attempt, node, gpus) for attempt, _rank, node, gpus in sorted(mine.values())] if mine else ()
-                built[i] = _running(got[1], allocs, indices, now)
+                old = built.get(i)
+                if old is not None:
+                    self._uncount(old)
+                built[i] = r = _running(got[1], allocs, indices, now)
+                self._count(r)
                 self.ordered = None
         if self.ordered is None:
             self.ordered = tuple(built[i] for i in sorted(built))
@@ -262,8 +269,22 @@ class ActiveCache:
     def _drop_job(self, i: int) -> None:
         if self.jobs.pop(i, None) is not None:
             self.unstarted.discard(i)
-            del self.built[i]
+            self._uncount(self.built.pop(i))
             self.ordered = None
+
+    def _count(self, r: sched.RunningJob) -> None:
+        u = r.user
+        self.gpus_of_user[u] = self.gpus_of_user.get(u, 0) + r.gpu_count
+        self.jobs_of_user[u] = self.jobs_of_user.get(u, 0) + 1
+
+    def _uncount(self, r: sched.RunningJob) -> None:
+        u = r.user
+        left = self.jobs_of_user[u] - 1
+        if left:
+            self.jobs_of_user[u] = left
+            self.gpus_of_user[u] -= r.gpu_count
+        else:
+            del self.jobs_of_user[u], self.gpus_of_user[u]
 
     def _drop_alloc(self, i: int, dirty: set[int]) -> None:
         _, _, job_id, _, _, node, gpus = self.allocs.pop(i)
@@ -777,16 +798,26 @@ def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
 
 
 def _update_usage(
-    session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float, write: bool = True
+    session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float, write: bool = True,
+    counted: "ActiveCache | None" = None,
 ) -> dict[str, float]:
     """Decay each user's GPU-seconds with the half-life and add what their running jobs used
     since the last cycle. Returns the values as of ``now``; ``write=False`` only computes them
     (a cycle's planning read; the same call with ``write`` in its writing transaction stores
     the same values)."""
-    gpus_by_user: dict[str, int] = {}
-    for r in snapshot.running:
-        gpus_by_user[r.user] = gpus_by_user.get(r.user, 0) + r.gpu_count
-    return _write_usage(session, gpus_by_user, now=now, half_life_s=half_life_s, write=write)
+    return _write_usage(session, gpus_by_user(snapshot.running, counted), now=now, half_life_s=half_life_s, write=write)
+
+
+def gpus_by_user(running: tuple[sched.RunningJob, ...], counted: "ActiveCache | None" = None) -> dict[str, int]:
+    """The GPUs each user's active jobs hold (a user with an active job holding none: 0). With
+    ``counted`` (PostgreSQL's ActiveCache), its running counts when ``running`` is the very tuple
+    it built (kept as jobs came, changed and went: walking 20,000 running jobs was ~8 ms a cycle)."""
+    if counted is not None and counted.ordered is running:
+        return counted.gpus_of_user
+    out: dict[str, int] = {}
+    for r in running:
+        out[r.user] = out.get(r.user, 0) + r.gpu_count
+    return out
 
 
 def _write_usage(
@@ -963,7 +994,9 @@ def _cycle(
         return _quiet_cycle(session, quiet, now=now, half_life_s=half_life_s, lease=lease, read_session=read_session)
     snapshot, current = _load(planner, now=now, lost_after_s=settings.agent.lost_after_s, queue=queue,
                               queued_count=counts[0])
-    usage = _update_usage(planner, snapshot, now=now, half_life_s=half_life_s, write=read_session is None)
+    counted = queue.active if queue is not None else None
+    usage = _update_usage(planner, snapshot, now=now, half_life_s=half_life_s, write=read_session is None,
+                          counted=counted)
     if read_session is not None:
         read_session.rollback()  # the planning read ends here
     snapshot = dataclasses.replace(snapshot, usage=usage)  # (the queue and its delta as read)
@@ -972,7 +1005,7 @@ def _cycle(
     if read_session is not None:
         if lease is not None:
             fence(session, lease)  # the write lock from here to the commit
-        _update_usage(session, snapshot, now=now, half_life_s=half_life_s)
+        _update_usage(session, snapshot, now=now, half_life_s=half_life_s, counted=counted)
     apply_decisions(session, decisions, settings=settings, now=now, current=current)
     if decisions.starts:
         faults.stop_point("scheduler_before_commit")
