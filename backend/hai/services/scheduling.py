@@ -384,8 +384,8 @@ class QueueCache:
     ones: the table keeps every job ever run, and a scan of it all cost PostgreSQL 194 ms a
     cycle with 1,000,000 of them). A job that left the queue for a terminal state (or whose row
     was deleted) is not read: the cache is then larger than the count of queued jobs, and the
-    ids still queued (the state index again) say which to drop. A transaction open across the read and
-    committed after it is not older (a sequence number, or the newest id seen, misses it:
+    ids still queued (the state index again) say which to drop. A transaction open across the
+    read and committed after it is not older (a sequence number, or the newest id seen, misses it:
     ``tests/integration/test_queue_cache_pg.py``). A savepoint's rows carry its subtransaction's
     id, which is larger than its parent's; a HOT update writes a new row version with its own
     xmin like any update; a row lock (``FOR UPDATE``) sets xmax only and changes nothing the
@@ -702,13 +702,13 @@ def _refresh(session: Session, queue: QueueCache, mark: int, queued_count: int |
 # cache whose horizon is this many transactions old is read again in full instead
 PG_HORIZON_MAX_AGE = 1_000_000_000
 _XID_WRAP = 1 << 32
-# the oldest transaction the next read must look at again: the snapshot's xmin, or this
-# transaction's own id if smaller (least() ignores NULL: no id yet)
 # the states whose rows the queue's read looks at: a job that left the queue for one of the others
 # (terminal) is found by the count of queued jobs instead (its row is not read: the table keeps
 # every finished job, and a scan of it all cost PostgreSQL 194 ms a cycle with 1,000,000 of them)
 _QUEUE_SIDE = (JobState.QUEUED.value, *_ACTIVE_VALUES)
 _QUEUED_IDS = f"SELECT id FROM jobs WHERE state = '{JobState.QUEUED.value}' AND NOT user_suspended"
+# the oldest transaction the next read must look at again: the snapshot's xmin, or this
+# transaction's own id if smaller (least() ignores NULL: no id yet)
 PG_HORIZON = ("least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,"
               " pg_current_xact_id_if_assigned()::text::bigint)")
 
@@ -716,8 +716,8 @@ PG_HORIZON = ("least(pg_snapshot_xmin(pg_current_snapshot())::text::bigint,"
 def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
     """``queue`` (the queued jobs not held) refreshed with the queued and active job rows written
     by every transaction not known to have ended at its last read, and rid of the jobs no longer
-    queued at all (PostgreSQL, see QueueCache); returns
-    their pending reasons and reservations as read.
+    queued at all (PostgreSQL, see QueueCache); returns their pending reasons and reservations as
+    read.
 
     One statement, so one snapshot (at any isolation level) for the horizon, the count of queued
     jobs not held (queued_counts, written by the same transactions as the rows it counts) and
