@@ -13,14 +13,13 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
-from itertools import chain, compress
-from operator import attrgetter, itemgetter
+from itertools import chain
+from operator import itemgetter
 from typing import NamedTuple
 
 from hai.domain.scheduler.model import Policy, RunningJob
 from hai.domain.scheduler.placement import FreeIndex, NodeSlot
 
-_ID = attrgetter("id")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 
@@ -260,12 +259,8 @@ class RunningTable:
             # each (job, node) pair once (no two pairs are equal: they differ by node or job)
             if self._pairs is not None:
                 pj, pg, po = self._pairs
-                flat = list(
-                    compress(
-                        zip(map(lost.__getitem__, pj), pg, po, map(_ID, map(jobs.__getitem__, pj)), pj),
-                        map(min_ok.__getitem__, pj),
-                    )
-                )
+                # (a comprehension: on CPython 3.11 a third cheaper than the same in maps)
+                flat = [(lost[i], g, o, jobs[i].id, i) for i, g, o in zip(pj, pg, po) if min_ok[i]]
             else:
                 flat = []
                 for o, hs in enumerate(self.holders):
