@@ -56,6 +56,7 @@ class FakeServer:
         self.version = 0
         self.hellos: list[AgentHello] = []
         self.heartbeats = 0
+        self.holding = 0  # long polls held now (waiting for a change)
         self.statuses: dict[tuple[int, int], AttemptStatus] = {}
         self.status_log: list[tuple[float, AttemptStatus]] = []
         self.logs: dict[tuple[int, int, int, int], object] = {}
@@ -127,10 +128,16 @@ class FakeServer:
             reply = self._reply(hb.node)
             if hb.wait_s > 0 and reply.assignments_digest == hb.assignments_digest:
                 deadline = time.monotonic() + hb.wait_s
-                while time.monotonic() < deadline and self.version == since:
-                    if await request.is_disconnected():
-                        break
-                    await asyncio.sleep(0.02)
+                with self.lock:
+                    self.holding += 1
+                try:
+                    while time.monotonic() < deadline and self.version == since:
+                        if await request.is_disconnected():
+                            break
+                        await asyncio.sleep(0.02)
+                finally:
+                    with self.lock:
+                        self.holding -= 1
                 reply = self._reply(hb.node)
             return reply
 
@@ -398,6 +405,26 @@ def test_an_agent_killed_mid_job_is_restarted_and_reattaches(server, tmp_path):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_sigterm_ends_the_agent_without_waiting_for_its_long_poll(server, tmp_path):
+    """An agent process told to stop (SIGTERM) while the server holds its long poll (60 s here)
+    exits with code 0 long before the poll would return: the poll in flight is abandoned. (On a
+    ThreadPoolExecutor's worker the interpreter waited for it at exit: a stopped agent lingered
+    for the rest of its poll after logging "stopped".)"""
+    code = ("import logging; logging.basicConfig(level=logging.INFO); from hai.agent.main import run_agent; "
+            f"run_agent(server={server.url!r}, token={TOKEN!r}, node='n1', zone=None, leaf=None, fake_gpus=1, "
+            f"state_dir={str(tmp_path / 'state')!r}, heartbeat_wait_s=60.0, backoff_max_s=1.0, ranks_as_agent_user=True)")
+    p = subprocess.Popen([PY, "-c", code])
+    try:
+        wait_for(lambda: server.holding == 1, what="the agent's long poll held by the server")
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0  # well before the 60 s poll returns
+        wait_for(lambda: server.holding == 0, what="the held poll's connection closed")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def test_stop_jobs_on_exit_stops_the_ranks_and_reports_them(server, agents, tmp_path):

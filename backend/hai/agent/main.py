@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlparse
 
@@ -343,7 +343,7 @@ class Agent:
         client = AgentClient(self.server, self.token)
         poll_client = AgentClient(self.server, self.token)
         self._log_client = AgentClient(self.server, self.token)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hai-agent-poll")
+        pool = _PollThreads()
         shipper = LogShipper(self.buf, self._send_logs, stop=self._ship_stop, backoff_max_s=self.backoff_max_s,
                              shipped=self.node.shipped)
         threads = []
@@ -367,7 +367,6 @@ class Agent:
             self._ship_stop.set()
             self.buf.wake()
             shipper.join(timeout=3)
-            pool.shutdown(wait=False, cancel_futures=True)
             for c in (client, poll_client, self._log_client):
                 c.close()
             self.gpus.close()
@@ -387,7 +386,7 @@ class Agent:
             if res.error is None:
                 self.node.mark_reported(res.statuses)
 
-    def _reporter(self, client: AgentClient, poll_client: AgentClient, pool: ThreadPoolExecutor) -> None:
+    def _reporter(self, client: AgentClient, poll_client: AgentClient, pool: _PollThreads) -> None:
         poll: Future | None = None
         next_poll = 0.0  # monotonic time of the next long poll
         next_urgent = 0.0
@@ -448,6 +447,29 @@ class Agent:
                     timeout = max(0.01, min(1.0, self._last_sent + self.status_refresh_s - now))
             if timeout > 0:
                 self._wake.wait(timeout)
+
+
+class _PollThreads:
+    """Runs the long poll, one call at a time, each on a daemon thread of its own.
+
+    Not a ``ThreadPoolExecutor``: the interpreter joins an executor's workers at exit, so an
+    agent told to stop (SIGTERM) lingered until its long poll returned, up to ``wait_s`` (10 s)
+    after it had logged "stopped". A poll in flight at exit is abandoned instead: the server
+    keeps nothing for a poll that is never answered, and the next agent registers afresh."""
+
+    def submit(self, fn: Callable[..., _Result], *args, **kwargs) -> Future:
+        fut: Future = Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # (handed to whoever reads the future)
+                fut.set_exception(e)
+
+        threading.Thread(target=run, name="hai-agent-poll", daemon=True).start()
+        return fut
 
 
 def run_agent(options: AgentOptions | None = None, *, stop_event: threading.Event | None = None, **fields) -> None:
