@@ -128,13 +128,28 @@ class DevStack:
             self.platform.close()
 
 
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown (Ctrl-C, SIGTERM) first ends the requests that
+    wait for a notification: the agents' held long polls answer at once and followed logs end
+    with a ``limit`` event, instead of the shutdown waiting for each (a held poll kept ``hai
+    dev`` up to 10 s after Ctrl-C). ``hai dev`` and a one-process ``hai server`` run it."""
+
+    def __init__(self, config: uvicorn.Config, platform: Platform):
+        super().__init__(config)
+        self.platform = platform
+
+    async def shutdown(self, sockets=None) -> None:  # noqa: ANN001
+        self.platform.notifier.release_waiters()
+        await super().shutdown(sockets)
+
+
 def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", gpus_per_agent: int = 8) -> None:
     stack = DevStack(data_dir=data_dir, port=port, host=host, agents=agents, gpus_per_agent=gpus_per_agent)
     stack.prepare()
     assert stack.platform is not None
     app = create_app(stack.platform, tune_gc=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = StoppingServer(config, stack.platform)
     started = threading.Event()
 
     def _after_start() -> None:

@@ -70,8 +70,10 @@ def server(
     platform = Platform.from_settings(settings)
     _bootstrap(platform, topology)
     if workers == 1:
-        uvicorn.run(create_app(platform, tune_gc=True), host=host, port=port, log_level="info",
-                    access_log=settings.http.access_log)
+        from hai.cli.dev import StoppingServer
+
+        StoppingServer(uvicorn.Config(create_app(platform, tune_gc=True), host=host, port=port, log_level="info",
+                                      access_log=settings.http.access_log), platform).run()
         platform.close()
         return
     if settings.database_url.startswith("sqlite") or not settings.redis.url:

@@ -192,6 +192,9 @@ async def follow(
                 if left <= 0:
                     yield {"event": "limit", "data": f"followed for {max_s:g} s (HAI_LIMITS__MAX_FOLLOW_S); follow again"}
                     return
+                if platform.notifier.released:
+                    yield {"event": "limit", "data": "the server is stopping; follow again"}
+                    return
                 await platform.notifier.wait_async(topic, since, platform.notifier.bounded(left))
 
     return stream()

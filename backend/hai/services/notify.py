@@ -44,6 +44,7 @@ class Notifier:
     database; with Redis, ``poll_s`` is None and waits last as long as their callers ask."""
 
     poll_s: float | None = None
+    released = False  # the server is stopping: async waits end at once (``release_waiters``)
 
     def bounded(self, timeout: float) -> float:
         """``timeout``, capped at ``poll_s`` when notifications do not cross processes."""
@@ -87,7 +88,7 @@ class Notifier:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         with self._lock:
-            if self._versions[topic] != since:
+            if self.released or self._versions[topic] != since:
                 return True
             self._async_waiters[topic].append((loop, fut))
         try:
@@ -99,6 +100,17 @@ class Notifier:
                 if (loop, fut) in waiters:
                     waiters.remove((loop, fut))
             return False
+
+    def release_waiters(self) -> None:
+        """The server is stopping: every async wait ends now, as if its topic had moved, and every
+        later one at once (held long polls answer, log follows end), so that the server's
+        graceful shutdown need not wait out the longest of them. Call it on the event loop."""
+        with self._lock:
+            self.released = True
+            waiters = [w for ws in self._async_waiters.values() for w in ws]
+            self._async_waiters.clear()
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
 
     def close(self) -> None:
         pass
