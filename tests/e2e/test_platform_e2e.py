@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import start_stack, stop_stack, wait_for
 
 
 def test_two_node_job_prints_each_rank_and_succeeds(stack):
@@ -76,3 +76,18 @@ def test_cli_array_runs_each_job_with_its_index(stack):
     bad = stack.cli("submit", "--array", "2", "--nodes", "3", "--", "true")
     assert bad.returncode == 2 and "jobs.0.nodes" in bad.stderr
     assert total() == before  # nothing written
+
+
+def test_cli_follow_ended_by_the_server_says_why_and_exits_1(tmp_path):
+    """`hai logs -f` on a job that outlives the server's follow limit: the lines so far, then a
+    note on stderr naming the limit, and exit code 1 (the job did not end)."""
+    s = start_stack(tmp_path, agents=1, extra_env={"HAI_LIMITS__MAX_FOLLOW_S": "1"})
+    try:
+        job = s.submit(name="long", gpus_per_node=1, command=["bash", "-c", "echo started; sleep 600"])
+        wait_for(lambda: "started" in s.logs(job["id"]), what="the job's first line")
+        out = s.cli("logs", "-f", str(job["id"]))
+        assert out.returncode == 1, out.stderr
+        assert "[rank 0] started" in out.stdout.splitlines()
+        assert f"following job {job['id']} stopped" in out.stderr and "HAI_LIMITS__MAX_FOLLOW_S" in out.stderr
+    finally:
+        stop_stack(s)

@@ -189,7 +189,8 @@ def logs(
     grep: Annotated[str | None, typer.Option("--grep", "-q")] = None,
     timestamps: Annotated[bool, typer.Option("--timestamps", "-t")] = False,
 ) -> None:
-    """Print a job's logs; -f follows until the job ends."""
+    """Print a job's logs; -f follows until the job ends (exit code 1 when the server ends the
+    follow first: its follow limit, or it is stopping)."""
     params: dict[str, Any] = {"timestamps": timestamps}
     for k, v in (("rank", rank), ("attempt", attempt), ("q", grep)):
         if v is not None:
@@ -211,6 +212,9 @@ def logs(
                 elif event.event == "end":
                     typer.echo(f"-- job {job_id} ended: {event.data}", err=True)
                     return
+                elif event.event == "limit":  # the server ended the follow before the job ended
+                    typer.echo(f"-- following job {job_id} stopped: {event.data}", err=True)
+                    raise typer.Exit(1)
 
 
 def _action(job_id: int, action: str) -> None:
