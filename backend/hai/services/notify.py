@@ -104,7 +104,8 @@ class Notifier:
     def release_waiters(self) -> None:
         """The server is stopping: every async wait ends now, as if its topic had moved, and every
         later one at once (held long polls answer, log follows end), so that the server's
-        graceful shutdown need not wait out the longest of them. Call it on the event loop."""
+        graceful shutdown need not wait out the longest of them. Any thread may call it (each
+        waiter is resolved on its own loop), but not a signal handler: it takes the lock."""
         with self._lock:
             self.released = True
             waiters = [w for ws in self._async_waiters.values() for w in ws]

@@ -799,7 +799,7 @@ def _refresh_pg(session: Session, queue: QueueCache) -> Shown:
 
 def _update_usage(
     session: Session, snapshot: sched.Snapshot, *, now: datetime, half_life_s: float, write: bool = True,
-    counted: "ActiveCache | None" = None,
+    counted: ActiveCache | None = None,
 ) -> dict[str, float]:
     """Decay each user's GPU-seconds with the half-life and add what their running jobs used
     since the last cycle. Returns the values as of ``now``; ``write=False`` only computes them
@@ -808,7 +808,7 @@ def _update_usage(
     return _write_usage(session, gpus_by_user(snapshot.running, counted), now=now, half_life_s=half_life_s, write=write)
 
 
-def gpus_by_user(running: tuple[sched.RunningJob, ...], counted: "ActiveCache | None" = None) -> dict[str, int]:
+def gpus_by_user(running: tuple[sched.RunningJob, ...], counted: ActiveCache | None = None) -> dict[str, int]:
     """The GPUs each user's active jobs hold (a user with an active job holding none: 0). With
     ``counted`` (PostgreSQL's ActiveCache), its running counts when ``running`` is the very tuple
     it built (kept as jobs came, changed and went: walking 20,000 running jobs was ~8 ms a cycle)."""
