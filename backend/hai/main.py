@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import logging
+import signal
+import threading
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -90,12 +94,48 @@ class _App(FastAPI):
 
 
 def server_app() -> FastAPI:
-    """``hai server --workers N``'s factory: each worker's app, with its collector tuned."""
-    return create_app(tune_gc=True)
+    """``hai server --workers N``'s factory: each worker's app, with its collector tuned, and
+    its waits released as soon as the worker is told to stop (``release_waiters_on_signal``)."""
+    return create_app(tune_gc=True, release_on_signal=True)
+
+
+def release_waiters_on_signal(release: Callable[[], None]) -> Callable[[], None]:
+    """In a ``hai server --workers N`` worker: when SIGTERM or SIGINT arrives, call ``release``
+    (``Notifier.release_waiters``) on the running event loop, then the handler that was there
+    (uvicorn's, which starts the graceful shutdown). uvicorn's graceful shutdown waits for every
+    request in flight, and a held long poll or a followed log would keep a worker up for as long
+    as it lasts (a followed log of a queued job: for ever); one-process ``hai server`` and ``hai
+    dev`` do the same from their server's shutdown (``hai.cli.dev.StoppingServer``), which a
+    worker's server, built by uvicorn's supervisor, cannot be. Call it from the worker's
+    lifespan, on the loop, in the main thread (where uvicorn installed its handlers; elsewhere
+    nothing is chained). Returns the undo: the handlers put back (unless replaced since)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    chained: dict[int, tuple[Callable, Callable]] = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
+        if not callable(before):
+            continue  # (SIG_DFL or SIG_IGN: not under uvicorn's signal capture)
+
+        def on_signal(signum: int, frame, before=before) -> None:  # noqa: ANN001
+            # (not the release itself: it takes a lock, which a signal handler must not)
+            loop.call_soon_threadsafe(release)
+            before(signum, frame)
+
+        signal.signal(sig, on_signal)
+        chained[sig] = (on_signal, before)
+
+    def undo() -> None:
+        for sig, (mine, before) in chained.items():
+            if signal.getsignal(sig) is mine:
+                signal.signal(sig, before)
+
+    return undo
 
 
 def create_app(platform: Platform | None = None, settings: Settings | None = None, *,
-               tune_gc: bool = False) -> FastAPI:
+               tune_gc: bool = False, release_on_signal: bool = False) -> FastAPI:
     owned = platform is None
 
     @asynccontextmanager
@@ -108,7 +148,10 @@ def create_app(platform: Platform | None = None, settings: Settings | None = Non
         guards.install_redaction()
         if tune_gc:
             tune_collector(app.state.platform.settings.http)
+        undo = release_waiters_on_signal(app.state.platform.notifier.release_waiters) if release_on_signal else None
         yield
+        if undo is not None:
+            undo()
         if getattr(app.state, "reply_cache", None) is not None:  # issue 12: write the batched liveness
             app.state.reply_cache.close()
         if app.state.platform is not None:
