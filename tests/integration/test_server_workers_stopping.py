@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -68,12 +69,12 @@ def test_a_stopping_worker_ends_its_followed_logs_and_the_server_exits(pg_url, r
         procs.stop()
 
 
-def test_the_chained_handler_releases_on_the_loop_then_calls_the_one_before(tmp_path):
+def test_the_chained_handler_releases_on_the_loop_then_calls_the_one_before():
     """In a fresh interpreter (signal handlers are per process): the handler that was installed
     (uvicorn's, here a stand-in) still runs, after the release was scheduled on the loop; the
     undo puts it back."""
     probe = """
-import asyncio, signal, sys
+import asyncio, signal
 from hai.main import release_waiters_on_signal
 calls = []
 def before(signum, frame):
@@ -91,8 +92,6 @@ async def main():
 asyncio.run(main())
 print(calls)
 """
-    import subprocess
-
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"[('before', {int(signal.SIGTERM)}), ('release', None)]"
