@@ -342,3 +342,62 @@ def test_zone_classes_are_every_node_classified_by_the_rule(seed):
         assert got[z].idle == idle and got[z].freeable == freeable
         assert got[z].entry_of == {e[0]: e for e in freeable}
     assert singles > 0 and any(len(e[1]) > 1 for zc in got for e in zc.freeable)
+
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_free_now_plan_scans_the_idle_nodes_and_the_jobs_own_and_finds_what_every_node_gives(monkeypatch, name):
+    """A multi-node job with jobs suspending for it asks every cycle whether some zone has
+    enough nodes free now; only the nodes idle when the cycle first asked and those of its own
+    suspending jobs are scanned (``RunningTable.idle_nodes``). On every such ask of changing
+    snapshots, the candidates of each zone it scanned (nodes free now, the jobs waited for on
+    each, nodes per leaf) equal those of a scan of every node of the zone, a zone it did not
+    scan has too few nodes free now, and the plan is the plan of the scan of every node: also
+    after the cycle's starts took GPUs of nodes that were idle at the first ask. Fewer nodes
+    were scanned."""
+    seen = {"asks": 0, "plans": 0, "shrunk": 0, "scanned": 0, "zone_nodes": 0}
+    real_plan, real_scan, real_idle = pre._free_now_plan, pre._scanned_candidates, vt.RunningTable.idle_nodes
+
+    def free_now_plan(index, table, nodes, gpus_per_node, usable, pend):  # noqa: ANN001, ANN202
+        whole, zones, start = [], [], 0
+        for size in index.zone_size:
+            zone_slots = index.slots[start : start + size]
+            cand = real_scan(zone_slots, table, gpus_per_node, usable, None, pend)
+            whole.append((cand.free_now, cand.waits_of, cand.potential))
+            zones.append([s.ord for s in zone_slots])
+            start += size
+        # the reference plan: every node of each zone taken as idle, so every node is scanned
+        monkeypatch.setattr(vt.RunningTable, "idle_nodes", lambda self, index: zones)
+        want = real_plan(index, table, nodes, gpus_per_node, usable, pend)
+        monkeypatch.setattr(vt.RunningTable, "idle_nodes", real_idle)
+        scanned = {}
+
+        def scan(zone_slots, *a, **k):  # noqa: ANN001, ANN202
+            cand = real_scan(zone_slots, *a, **k)
+            scanned[zone_slots[0].zone_ix] = (cand.free_now, cand.waits_of, cand.potential)
+            seen["scanned"] += len(zone_slots)
+            return cand
+
+        monkeypatch.setattr(pre, "_scanned_candidates", scan)
+        got = real_plan(index, table, nodes, gpus_per_node, usable, pend)
+        monkeypatch.setattr(pre, "_scanned_candidates", real_scan)
+        for z, size in enumerate(index.zone_size):
+            if size < nodes:
+                continue
+            seen["zone_nodes"] += size
+            if z in scanned:
+                assert scanned[z] == whole[z]
+            else:
+                assert len(whole[z][0]) < nodes
+        assert _same_plan(got, want)
+        seen["shrunk"] += any(len(index.slots[o].free) < index.slots[o].gpus for z in table.idle_nodes(index) for o in z)
+        seen["asks"] += 1
+        seen["plans"] += got is not None
+        return got
+
+    monkeypatch.setattr(pre, "_free_now_plan", free_now_plan)
+    for seed in (0, 1, 2):
+        _cycles(POLICIES[name], seed, cycles=5)
+    assert seen["asks"] > 0 and seen["plans"] > 0
+    assert seen["scanned"] < seen["zone_nodes"]  # the point: not every node
+    assert seen["shrunk"] > 0 or name == "fifo-capped"

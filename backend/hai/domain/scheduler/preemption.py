@@ -25,7 +25,8 @@ Strategies, one function each:
   the fewest victims first); then ``_place_on_freed`` (fewest leaves, then the nodes cheapest to
   free). A plan needing no victims beats any other: when nodes free now (counting what is
   being released for J) suffice, that plan is taken without weighing victims anywhere
-  (``_free_now_plan``, and the first pass of ``_fewest_victims_on_a_node``).
+  (``_free_now_plan``, over the idle nodes and those of J's suspending jobs only, and the
+  first pass of ``_fewest_victims_on_a_node``).
 """
 
 from __future__ import annotations
@@ -316,16 +317,33 @@ def _free_now_plan(
     as a victim), found without weighing any victim: such a zone's plan
     has no victims, and a zone short of free nodes needs at least one, so the best of these
     zones is the best of all (fewest leaves, then zone order). None: no zone has enough, or
-    none of them places the job; the caller then weighs every zone."""
+    none of them places the job; the caller then weighs every zone.
+
+    Only the nodes that can be free now are scanned, in node order: those idle when the cycle
+    first asked (``RunningTable.idle_nodes``) and those holding a job suspending for this one.
+    A node outside both either holds a job that is not suspending for this one, or has GPUs
+    taken that no indexed job holds (and GPUs taken stay taken during a cycle): the scan of the
+    whole zone passes it over too. So the candidates are that scan's, at a cost that follows
+    the idle nodes and the job's own, not the cluster's size (a job waiting for checkpoints
+    asks every cycle until they come)."""
     best_key: tuple | None = None
     best_plan: Plan | None = None
+    idle = table.idle_nodes(index)
+    nodes_of, slots = table.nodes_of, index.slots
+    held = {o for i in pend for o in nodes_of[i]}  # the nodes of the jobs suspending for it
     zone_start = 0
     for z, size in enumerate(index.zone_size):
-        zone_slots = index.slots[zone_start : zone_start + size]
+        lo = zone_start
         zone_start += size
         if size < nodes:
             continue
-        cand = _scanned_candidates(zone_slots, table, gpus_per_node, usable, None, pend)  # no victims
+        ords = idle[z]
+        mine = [o for o in held if lo <= o < zone_start]
+        if mine:
+            ords = sorted(set(ords).union(mine))
+        if len(ords) < nodes:
+            continue  # (the nodes free now are among them)
+        cand = _scanned_candidates([slots[o] for o in ords], table, gpus_per_node, usable, None, pend)  # no victims
         if len(cand.free_now) < nodes:
             continue
         placed = _place_on_freed(list(cand.free_now), cand, index, table, nodes)

@@ -183,6 +183,7 @@ class RunningTable:
         self.pending_for: dict[int, list[int]] = {}
         self._singles: dict[int, SortedPairs] | None = None
         self._zones: list[ZoneClasses] | None = None
+        self._idle: list[list[int]] | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
@@ -330,6 +331,22 @@ class RunningTable:
             got.append(ZoneClasses(idle, freeable, {}, by_leaf, {e[0]: e for e in freeable}))
             start += size
         self._zones = got
+        return got
+
+    def idle_nodes(self, index: FreeIndex) -> list[list[int]]:
+        """Per zone, in node order: the nodes that hold no indexed job and had every GPU free
+        when first asked in this cycle. A superset of the nodes idle at any later ask: free
+        GPUs only shrink during a cycle (``FreeIndex.take``). Built once per cycle, on first
+        use (``preemption._free_now_plan``)."""
+        got = self._idle
+        if got is None:
+            holders, slots = self.holders, index.slots
+            got = []
+            start = 0
+            for size in index.zone_size:
+                got.append([o for o in range(start, start + size) if not holders[o] and len(slots[o].free) == slots[o].gpus])
+                start += size
+            self._idle = got
         return got
 
     def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
