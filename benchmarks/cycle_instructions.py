@@ -19,6 +19,15 @@ cycles of that snapshot instead of building one (the 10k counts of issue 12:
 ``--save-snapshot /tmp/s10k.pkl --nodes 10000 --running 20000 --queued 100000``, then
 ``--snapshot /tmp/s10k.pkl --kept --cycles 2``).
 
+``--changing N`` with ``--save-snapshot FILE``: the snapshot and the N that follow it, each as
+``scheduler_cycle.next_snapshot`` makes it from the decisions of the one before (``scheduler_cycle.py
+--changing``'s defaults: 200 arrivals, 100 ends, 10 s apart), pickled together; ``--snapshot FILE
+--kept`` then counts the changing cycles with the queue kept across them (the first snapshot's
+cycle builds it in both runs; the second run's cycles are snapshots 1..``--cycles``, so the count
+is the mean over snapshots 2..``--cycles``): what a live cluster's cycle costs, the target of issue
+12 (``--save-snapshot /tmp/c10k.pkl --changing 4 --nodes 10000 --running 20000 --queued 100000``,
+then ``--snapshot /tmp/c10k.pkl --kept --cycles 4``).
+
 ``--settings``: as ``scheduler_cycle.py --settings``, the policy from the ``HAI_SCHEDULER__*``
 settings and the queued jobs with attained service (e.g. the recommended least-attained-service
 classes of issue 16):
@@ -50,11 +59,15 @@ def _inner(
 
     from hai.domain.scheduler import KeptQueue, Policy, schedule
 
+    changing: list = []  # (snapshot, now) after the first (--changing)
     if snapshot:
         import pickle
 
         with open(snapshot, "rb") as f:
             snap = pickle.load(f)
+        if isinstance(snap, list):
+            snap, changing = snap[0][0], snap[1:]  # (the first at NOW)
+            assert len(changing) >= cycles, f"{snapshot} holds {len(changing)} changing snapshots, {cycles} asked"
     else:
         snap = build_snapshot(*size, 0)
     policy = Policy()
@@ -67,6 +80,10 @@ def _inner(
     if kept:  # built by a first cycle in both runs: it cancels out
         queue = KeptQueue()
         schedule(snap, policy, NOW, kept=queue)
+    if changing:
+        for later, now in changing[:cycles]:
+            schedule(later, policy, now, kept=queue)
+        return
     for _ in range(cycles):
         schedule(snap, policy, NOW, kept=queue)
 
@@ -85,6 +102,15 @@ def _count(cycles: int, settings: bool, extra: list[str]) -> int:
     return int(m.group(1))
 
 
+def _is_sequence(path: str) -> bool:
+    """Whether a saved snapshot file holds a changing sequence (``--save-snapshot --changing``)."""
+    import pickle
+
+    sys.path.insert(0, str(ROOT.parent / "backend"))
+    with open(path, "rb") as f:
+        return isinstance(pickle.load(f), list)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inner", type=int, default=None, help=argparse.SUPPRESS)
@@ -96,16 +122,33 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=3, help="cycles of the second run (the first runs 1)")
     ap.add_argument("--snapshot", default="", help="count cycles of this pickled snapshot (see --save-snapshot)")
     ap.add_argument("--save-snapshot", default="", metavar="FILE", help="write the snapshot of the size asked, pickled, and stop")
+    ap.add_argument("--changing", type=int, default=0, metavar="N",
+                    help="(--save-snapshot) also the N snapshots that follow it (scheduler_cycle.next_snapshot)")
     args = ap.parse_args()
     size = (args.nodes, args.running, args.queued)
     if args.save_snapshot:
         import pickle
 
         sys.path.insert(0, str(ROOT.parent / "backend"))
-        from scheduler_cycle import build_snapshot
+        from scheduler_cycle import NOW, build_snapshot, next_snapshot
 
+        snap = build_snapshot(*size, 0)
+        out: object = snap
+        if args.changing:  # as scheduler_cycle.changing_cycles (seed 0)
+            import random
+
+            from hai.domain.scheduler import Policy, schedule
+
+            rng, policy, now, next_id = random.Random(7), Policy(), NOW, 10_000_000
+            out = [(snap, now)]
+            for _ in range(args.changing):
+                d = schedule(snap, policy, now)
+                snap, next_id = next_snapshot(snap, d, now, 10.0, rng, 200, 100, next_id)
+                now += 10.0
+                out.append((snap, now))
+            sys.setrecursionlimit(100_000)  # (the snapshots share their unchanged jobs: deep pickles)
         with open(args.save_snapshot, "wb") as f:
-            pickle.dump(build_snapshot(*size, 0), f, protocol=5)
+            pickle.dump(out, f, protocol=5)
         return
     if args.inner is not None:
         _inner(args.inner, args.settings, size, args.kept, args.snapshot)
@@ -116,6 +159,7 @@ def main() -> None:
     one, many = _count(1, args.settings, extra), _count(args.cycles, args.settings, extra)
     out = {"instructions_per_cycle": (many - one) // (args.cycles - 1), "run_1_cycle": one, f"run_{args.cycles}_cycles": many}
     print(json.dumps({"policy": "settings" if args.settings else "default", "size": list(size), "kept": args.kept,
+                      **({"changing": True} if args.snapshot and _is_sequence(args.snapshot) else {}),
                       **({"snapshot": args.snapshot} if args.snapshot else {}), **out}))  # fmt: skip
 
 
