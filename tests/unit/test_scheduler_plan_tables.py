@@ -344,7 +344,6 @@ def test_zone_classes_are_every_node_classified_by_the_rule(seed):
     assert singles > 0 and any(len(e[1]) > 1 for zc in got for e in zc.freeable)
 
 
-
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_the_free_now_plan_scans_the_idle_nodes_and_the_jobs_own_and_finds_what_every_node_gives(monkeypatch, name):
     """A multi-node job with jobs suspending for it asks every cycle whether some zone has
