@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hai.domain.jobs import Priority
 from hai.domain.scheduler import Policy, schedule
 from hai.domain.scheduler import preemption as pre
 from hai.domain.scheduler import victim_table as vt
@@ -243,17 +244,22 @@ def _same_plan(a, b) -> bool:  # noqa: ANN001
 def test_plans_with_jobs_already_suspending_find_what_weighing_every_node_finds(monkeypatch, name):
     """A job with jobs suspending for it plans again each cycle until they are done; a plan
     that needs no victim (nodes free now, counting the GPUs being released for it) is taken
-    without weighing the victims of every node (one node) or every zone (whole nodes). Every
-    such plan of changing snapshots equals the plan that weighs them all (``shortcuts=False``)."""
-    seen = {"single": 0, "multi": 0, "differ": 0, "no_victims": 0}
+    without weighing the victims of every node (one node) or every zone (whole nodes), and on
+    one node looked for only among the nodes that had a free GPU when the cycle first asked and
+    the job's own (``RunningTable.nodes_with_free``). Every such plan of changing snapshots
+    equals the plan that weighs them all (``shortcuts=False``) and the one that looks at every
+    node for a free one."""
+    seen = {"single": 0, "multi": 0, "differ": 0, "no_victims": 0, "maybe_free": 0}
     real_single, real_multi = pre._fewest_victims_on_a_node, pre.plan_multi
 
-    def single(table, scan, gpus, usable, eligible, pending, shortcuts=True):  # noqa: ANN001, ANN202
-        got = real_single(table, scan, gpus, usable, eligible, pending)
+    def single(table, scan, gpus, usable, eligible, pending, shortcuts=True, maybe_free=None):  # noqa: ANN001, ANN202
+        got = real_single(table, scan, gpus, usable, eligible, pending, maybe_free=maybe_free)
         want = real_single(table, scan, gpus, usable, eligible, pending, shortcuts=False)
+        every = real_single(table, scan, gpus, usable, eligible, pending)  # every node looked at for a free one
         seen["single"] += bool(pending)
+        seen["maybe_free"] += maybe_free is not None and len(maybe_free) < len(scan)
         seen["no_victims"] += want is not None and not want.victims
-        seen["differ"] += not _same_plan(got, want)
+        seen["differ"] += not _same_plan(got, want) or not _same_plan(got, every)
         return got
 
     def multi(table, index, nodes, gpn, usable, eligible, pending, *a, **k):  # noqa: ANN001, ANN202
@@ -275,6 +281,7 @@ def test_plans_with_jobs_already_suspending_find_what_weighing_every_node_finds(
     # (the capped policy, 3 plans a cycle and a 30-minute minimum runtime, leaves no one-node
     # job waiting on suspensions in these snapshots)
     assert seen["single"] > 0 or name == "fifo-capped"
+    assert seen["maybe_free"] > 0 or name == "fifo-capped"
     assert seen["differ"] == 0
 
 
@@ -400,3 +407,45 @@ def test_the_free_now_plan_scans_the_idle_nodes_and_the_jobs_own_and_finds_what_
     assert seen["asks"] > 0 and seen["plans"] > 0
     assert seen["scanned"] < seen["zone_nodes"]  # the point: not every node
     assert seen["shrunk"] > 0 or name == "fifo-capped"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_one_node_plan_of_a_job_with_jobs_suspending_for_it_looks_for_a_free_node_among_those_with_free_gpus(seed):
+    """A one-node plan for a job with jobs suspending for it looks for a node free now (its
+    free GPUs and those being released for the job enough) among the nodes that had a free GPU
+    when the cycle first asked and the job's own only (``RunningTable.nodes_with_free``), not
+    among every node. Asked directly (not after a failed placement, so other nodes with free
+    GPUs qualify too), for every job that has jobs suspending for it in changing snapshots, for
+    1-8 GPUs, with every node usable and with some not, before and after the cycle's starts
+    took GPUs: the plan is the plan that weighs every node (``shortcuts=False``)."""
+    from hai.domain.scheduler.core import _Cycle
+
+    rng = random.Random(seed)
+    pol = Policy(**FIFO_LEVELS)
+    snap = build_snapshot(320, 520, 2500, seed)
+    now, next_id = NOW, 10_000_000
+    asked = elsewhere = 0
+    for _ in range(3):
+        d = schedule(snap, pol, now)
+        snap, next_id = next_snapshot(snap, d, now, 10.0, rng, 100, 60, next_id)
+        now += 10.0
+        cyc = _Cycle(snap, pol, now)
+        table, index = cyc.facts.table, cyc.index
+        eligible = table.eligible_fn(Priority.EXTREME_HIGH.rank, "nobody", False)
+        for step in range(3):
+            bad = set() if step == 0 else set(rng.sample(range(len(index.slots)), len(index.slots) // 8))
+            for target, pending in table.pending_for.items():
+                own = {o for i in pending for o in table.nodes_of[i]}
+                for gpus in (1, 2, 4, 8):
+                    got = pre.plan_single(table, index, gpus, lambda s: s.ord not in bad, eligible, pending,
+                                          table.singles(), maxfree=index.max_gpus)
+                    want = pre._fewest_victims_on_a_node(table, index.slots, gpus, lambda s: s.ord not in bad, eligible,
+                                                         pending, shortcuts=False)
+                    assert _same_plan(got, want)
+                    asked += 1
+                    elsewhere += got is not None and not got.victims and got.slots[0].ord not in own
+            # the cycle's starts take free GPUs: some nodes shrink
+            with_free = [s for s in index.slots if s.free]
+            for slot in rng.sample(with_free, min(30, len(with_free))):
+                index.take(slot, rng.randint(1, len(slot.free)))
+    assert asked > 0 and elsewhere > 0

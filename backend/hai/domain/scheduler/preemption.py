@@ -120,7 +120,9 @@ def plan_single(
         scan = _nodes_where_victims_suffice(index.slots, singles, gpus, eligible)
         if not scan:
             return None
-    return _fewest_victims_on_a_node(table, scan, gpus, usable, eligible, pending)
+    # (every node scanned: the nodes free now are among those with a free GPU and the job's own)
+    maybe_free = table.nodes_with_free(index) if scan is index.slots and gpus >= 1 else None
+    return _fewest_victims_on_a_node(table, scan, gpus, usable, eligible, pending, maybe_free=maybe_free)
 
 
 def _one_victim(
@@ -174,10 +176,17 @@ def _fewest_victims_on_a_node(
     eligible: Callable[[int], bool],
     pending: list[int],
     shortcuts: bool = True,
+    maybe_free: list[int] | None = None,
 ) -> Plan | None:
     """Every node of ``scan``: free now (with the GPUs of jobs suspending for the waiting job)
     beats any victims; else the fewest victims there, then least lost, fewest GPUs, node order.
-    (``shortcuts=False``: every node weighed, the reference the tests compare with.)"""
+    (``shortcuts=False``: every node weighed, the reference the tests compare with.)
+
+    ``maybe_free`` (``scan`` being every node, in node order): the nodes that may have a free
+    GPU (``RunningTable.nodes_with_free``); the nodes free now are then looked for among them
+    and the job's own only, not among every node (a job waiting for its checkpoints asks every
+    cycle until they come): a node with no free GPU and none being released for the job has
+    none for a job that asks for at least one."""
     pend_gpus: dict[int, int] = {}
     pend_jobs: dict[int, list[int]] = {}
     for i in pending:
@@ -191,7 +200,8 @@ def _fewest_victims_on_a_node(
     # (a job with jobs suspending for it has such a node: the one they free, 24 ms a plan at
     # 10,000 nodes when weighed); else every node is weighed below
     if shortcuts:
-        free = [slot for slot in scan
+        some = scan if maybe_free is None else [scan[o] for o in sorted(set(maybe_free).union(pend_gpus))]
+        free = [slot for slot in some
                 if slot.gpus >= gpus and len(slot.free) + pend_gpus.get(slot.ord, 0) >= gpus and usable(slot)]
         if free:
             slot = min(free, key=_ORD)

@@ -184,6 +184,7 @@ class RunningTable:
         self._singles: dict[int, SortedPairs] | None = None
         self._zones: list[ZoneClasses] | None = None
         self._idle: list[list[int]] | None = None
+        self._with_free: list[int] | None = None
         self._eligible: dict[tuple[int, str, bool], Callable[[int], bool]] = {}
         self.pending_mark = [False] * n
         by_name = index.by_name
@@ -347,6 +348,15 @@ class RunningTable:
                 got.append([o for o in range(start, start + size) if not holders[o] and len(slots[o].free) == slots[o].gpus])
                 start += size
             self._idle = got
+        return got
+
+    def nodes_with_free(self, index: FreeIndex) -> list[int]:
+        """In node order: the nodes that had a free GPU when first asked in this cycle (a
+        superset of those with free GPUs at any later ask, as ``idle_nodes``). Built once per
+        cycle, on first use (``preemption._fewest_victims_on_a_node``)."""
+        got = self._with_free
+        if got is None:
+            got = self._with_free = [s.ord for s in index.slots if s.free]
         return got
 
     def eligible_fn(self, rank: int, user: str, time_sharing: bool) -> Callable[[int], bool]:
