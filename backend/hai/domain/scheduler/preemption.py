@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import chain, combinations
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -200,7 +200,8 @@ def _fewest_victims_on_a_node(
     # (a job with jobs suspending for it has such a node: the one they free, 24 ms a plan at
     # 10,000 nodes when weighed); else every node is weighed below
     if shortcuts:
-        some = scan if maybe_free is None else [scan[o] for o in sorted(set(maybe_free).union(pend_gpus))]
+        # (with maybe_free: a node may come twice, once with a free GPU and once as the job's own)
+        some = scan if maybe_free is None else [scan[o] for o in chain(maybe_free, pend_gpus)]
         free = [slot for slot in some
                 if slot.gpus >= gpus and len(slot.free) + pend_gpus.get(slot.ord, 0) >= gpus and usable(slot)]
         if free:
