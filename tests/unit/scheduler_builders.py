@@ -283,4 +283,13 @@ def leaves_of(names: list[str]) -> list[str]:
     return sorted({n.rsplit("-", 1)[0] for n in names})
 
 
-__all__ = ["cluster", "job", "leaves_of", "nodes_of", "policy"]
+__all__ = ["cluster", "index_facts", "job", "leaves_of", "nodes_of", "policy"]
+
+
+def index_facts(index) -> tuple:
+    """Everything a cycle reads of a free index: each slot's fields, the name map, the GPU
+    bounds, the idle nodes per leaf and zone, the partly used nodes by free GPUs."""
+    slots = [(s.ord, s.name, s.zone, s.leaf, s.zone_ix, s.leaf_ix, s.gpus, list(s.free), s.indexed) for s in index.slots]
+    return (slots, {n: s.ord for n, s in index.by_name.items()}, all(index.by_name[s.name] is s for s in index.slots),
+            index.max_gpus, index.homogeneous, [lf.idle for lf in index.leaves], index.zone_idle, index.partial)
+

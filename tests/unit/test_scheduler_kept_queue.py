@@ -22,9 +22,11 @@ from hai.domain.scheduler.core import _Cycle
 from hai.domain.scheduler.model import FIFO_LEVELS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decision_hash import canonical  # noqa: E402
 from scheduler_cycle import NOW, build_snapshot, next_snapshot, with_attained_service  # noqa: E402
+from scheduler_builders import index_facts  # noqa: E402
 
 POLICIES = {
     "least-attained-service": Policy(),
@@ -305,3 +307,32 @@ def test_each_blocks_lane_keys_are_kept_across_cycles_and_equal_those_made_afres
     assert b.lane_keys(200.0) == [7, 5]
     b.insert(2, replace(job, id=8, queued_at=200.0), 8, 0, (0, 30.0, 8))  # queued at the threshold: past it
     assert b.lane_keys(200.0) == [7, 5, 9]
+
+
+def test_the_kept_node_slots_index_as_a_fresh_build_cycle_after_cycle():
+    """The caller's ``KeptQueue`` also keeps the cycle's node slots (``KeptSlots``): in every
+    cycle of a changing cluster (starts, suspensions, ends, reservations left out of the
+    index) the index made from them says what a fresh index says, only the slots of nodes
+    whose view changed or that the last cycle took GPUs from are built again, and the cycle
+    decides as from scratch; also after a cycle whose decisions were never persisted (the same
+    views again, with GPUs taken from the kept slots)."""
+    rng = random.Random(3)
+    pol = Policy()
+    snap = build_snapshot(120, 220, 1500, 3)
+    kept = KeptQueue()
+    now, next_id = NOW, 10_000_000
+    rebuilt = []
+    for k in range(8):
+        if k % 3 == 1:  # a cycle whose decisions are lost (the service's write failed)
+            assert _Cycle(snap, pol, now, kept).run().starts
+        got = _Cycle(snap, pol, now, kept)
+        want = _Cycle(snap, pol, now)
+        assert index_facts(got.index) == index_facts(want.index)
+        rebuilt.append(kept.slots.rebuilt)
+        d = got.run()
+        assert canonical(d) == canonical(want.run())
+        snap, next_id = next_snapshot(snap, d, now, 30.0, rng, 40, 10, next_id)
+        now += 30.0
+    n = len(got.index.slots)  # the schedulable nodes
+    assert kept.slots.built == 1 and rebuilt[0] == n
+    assert all(0 < k < n for k in rebuilt[1:])

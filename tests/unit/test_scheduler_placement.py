@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import random
 import sys
@@ -12,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from hai.domain.scheduler import Snapshot, schedule
 from hai.domain.scheduler.placement import choose_leaves, min_leaves
-from scheduler_builders import cluster, job, leaves_of, nodes_of, policy
+from scheduler_builders import cluster, index_facts, job, leaves_of, nodes_of, policy
 
 NOW = 10_000.0
 
@@ -206,3 +207,50 @@ def test_placement_reason_is_recorded_for_every_start():
 def test_empty_snapshot():
     d = schedule(Snapshot(nodes=()), policy(), NOW)
     assert d.starts == [] and d.pending_reasons == {}
+
+
+def test_kept_node_slots_are_built_again_only_where_a_view_changed_or_gpus_were_taken():
+    """``KeptSlots``: the next index reuses the last one's slots, except a node whose view is a
+    new object and a node the last cycle took GPUs from; what the index says is what a fresh
+    build says, a node left out of the index included (its slot was indexed last time). A
+    view list of another length or another layout is built in full."""
+    from hai.domain.scheduler.model import NodeView
+    from hai.domain.scheduler.placement import FreeIndex, KeptSlots
+
+    views = [NodeView(f"n{i:02d}", "z0" if i < 6 else "z1", f"l{i // 3}", 8, tuple(range(8)) if i % 4 else (2, 5))
+             for i in range(12)]
+    kept = KeptSlots()
+    a = FreeIndex(views, kept)
+    a.fill({})
+    assert (kept.built, kept.rebuilt) == (1, 12)
+    a.take(a.by_name["n03"], 2)
+    a.take(a.by_name["n09"], 8)
+    before = list(a.slots)  # (the kept list itself is updated in place)
+    v2 = list(views)
+    v2[7] = replace(views[7], free_gpus=(0, 1))
+    v2[9] = replace(views[9], free_gpus=(1, 3, 4))  # given back after the take: the view wins
+    b = FreeIndex(v2, kept)
+    assert (kept.built, kept.rebuilt) == (1, 3)  # n03 taken from, n07 and n09 new views
+    assert [s.name for s, old in zip(b.slots, before) if s is not old] == ["n03", "n07", "n09"]
+    b.fill({"n01": 1, "n07": 1})  # n01 was indexed in the last cycle
+    fresh = FreeIndex(v2)
+    fresh.fill({"n01": 1, "n07": 1})
+    assert index_facts(b) == index_facts(fresh)
+    assert b.by_name["n03"].free == list(range(8)) and b.by_name["n07"].free == [0, 1]
+    before = list(b.slots)
+    c = FreeIndex(v2, kept)  # nothing taken, no view changed: every slot as it was
+    assert kept.rebuilt == 0 and all(map(operator.is_, c.slots, before))
+    c.fill({})
+    fresh = FreeIndex(v2)
+    fresh.fill({})
+    assert index_facts(c) == index_facts(fresh)
+    FreeIndex(v2[:-1], kept)  # a node fewer (drained): built in full
+    assert kept.built == 2
+    moved = v2[:-1]
+    moved[2] = replace(moved[2], leaf="l3")  # another layout: built in full
+    d = FreeIndex(moved, kept)
+    assert kept.built == 3
+    d.fill({})
+    fresh = FreeIndex(moved)
+    fresh.fill({})
+    assert index_facts(d) == index_facts(fresh)

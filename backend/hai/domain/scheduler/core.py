@@ -245,7 +245,7 @@ class _Cycle:
         else:
             self.levels = _levels(snapshot.queued)[0]
         # 2. the snapshot's state, each part with its owner
-        self.index = FreeIndex(n for n in snapshot.nodes if n.schedulable)
+        self.index = FreeIndex((n for n in snapshot.nodes if n.schedulable), kept.slots if kept is not None else None)
         self.facts = VictimFacts(
             snapshot,
             policy,
@@ -963,6 +963,7 @@ class _Cycle:
         pend = self.decisions.pending_reasons
         cap = self.policy.max_preemptions_per_cycle
         byid = self._kept_q._byid if self._kept is not None else None
+        deferred_as: dict[str, str] = {}  # a group's reason -> its pending reason when deferred
         for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
             if self.plans_applied >= cap and user not in specials:
                 # the cycle's preemption budget is spent: a user's groups are either deferred
@@ -971,7 +972,10 @@ class _Cycle:
                 first = next(iter(byshape.values()))[2][0]
                 if self.facts.could_preempt(first, True):
                     for reason, _e, lst, ids in byshape.values():
-                        got = reason + self._note(lst[0], True, True)
+                        # (the note is the level's own when deferred: one sentence per reason)
+                        got = deferred_as.get(reason)
+                        if got is None:
+                            got = deferred_as[reason] = reason + self._note(lst[0], True, True)
                         pend.update(zip(ids, repeat(got)))
                 continue
             heap: list[tuple] = []

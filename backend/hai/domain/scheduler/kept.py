@@ -36,6 +36,7 @@ from operator import add, attrgetter, is_, le, lt, not_
 from typing import Iterable, Iterator
 
 from hai.domain.scheduler.model import Policy, QueueDelta, QueuedJob, Snapshot
+from hai.domain.scheduler.placement import KeptSlots
 from hai.domain.scheduler.victims import rank as _rank
 
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
@@ -202,6 +203,8 @@ class KeptQueue:
         self.accounts = 0  # (likewise) syncs made from the caller's account (QueueDelta), not a proof
         self.added = 0  # jobs added by the last sync (a full build adds every job)
         self.removed = 0  # jobs removed by the last sync
+        # the cycle's node slots, kept for the next cycle (``placement.KeptSlots``)
+        self.slots = KeptSlots()
 
     def _reset(self, classes: tuple[float, ...] | None) -> None:
         self._classes = classes

@@ -22,6 +22,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import is_not
 
 from hai.domain.scheduler.model import NodeView
 
@@ -122,6 +124,68 @@ def _layout(views: Sequence[NodeView]) -> _Layout:
     return lay
 
 
+class KeptSlots:
+    """The node slots of the last cycle, kept by the caller for the next (issue 12; owned by
+    ``kept.KeptQueue``). A cycle builds a ``NodeSlot`` per schedulable node (~4 ms of a 10k
+    cycle), although between two cycles only the nodes whose view changed (GPUs given out or
+    back, a node's state) and the nodes the last cycle handed GPUs out from differ. A slot is a
+    copy of its view: ``free`` (the only field a cycle changes, in ``FreeIndex.take``, which
+    records the slot here) and ``indexed`` (set for every slot by ``FreeIndex.fill``). So a slot
+    whose view is the very object it was built from (views are frozen) and that no cycle took
+    GPUs from since is the slot a new build would make, and is used again; every other slot is
+    built again. A view list of another length, or a changed view with another name, zone or
+    leaf (another layout), is built in full."""
+
+    __slots__ = ("built", "by_name", "gpus", "layout", "rebuilt", "slots", "taken", "views", "where")
+
+    def __init__(self) -> None:
+        self.views: list[NodeView] | None = None  # the views of the last build, in the caller's order
+        self.layout: _Layout | None = None
+        self.where: list[int] = []  # position in ``views`` -> the slot's ord
+        self.slots: list[NodeSlot] = []
+        self.by_name: dict[str, NodeSlot] = {}
+        self.gpus: list[int] = []  # each slot's GPUs
+        self.taken: list[int] = []  # ords of the slots handed GPUs out from since the last build
+        self.built = 0  # (for tests and benchmarks) full builds
+        self.rebuilt = 0  # slots built again by the last reuse
+
+    def _reuse(self, views: list[NodeView]) -> _Layout | None:
+        """Bring the kept slots up to ``views``; the layout, or None (build in full)."""
+        old, lay = self.views, self.layout
+        if old is None or lay is None or len(old) != len(views):
+            return None
+        changed = list(compress(range(len(views)), map(is_not, views, old)))
+        names, zones, leaves = lay.names, lay.zone_of, lay.leaf_of
+        for p in changed:
+            v = views[p]
+            if v.name != names[p] or v.zone != zones[p] or v.leaf != leaves[p]:
+                return None  # another layout
+        where = self.where
+        redo = set(self.taken)
+        redo.update(map(where.__getitem__, changed))
+        self.taken.clear()
+        slots, by_name, gpus, order = self.slots, self.by_name, self.gpus, lay.order
+        slot_zone, slot_leaf = lay.slot_zone, lay.slot_leaf
+        for k in redo:
+            s = slots[k] = NodeSlot(k, views[order[k]], slot_zone[k], slot_leaf[k])
+            by_name[s.name] = s
+            gpus[k] = s.gpus
+        self.views = views
+        self.rebuilt = len(redo)
+        return lay
+
+    def _store(self, views: list[NodeView], lay: _Layout, slots: list[NodeSlot], by_name: dict[str, NodeSlot],
+               gpus: list[int]) -> None:
+        self.views, self.layout, self.slots, self.by_name, self.gpus = views, lay, slots, by_name, gpus
+        where = [0] * len(views)
+        for k, i in enumerate(lay.order):
+            where[i] = k
+        self.where = where
+        self.taken.clear()
+        self.built += 1
+        self.rebuilt = len(slots)
+
+
 class LeafInfo:
     __slots__ = ("idle", "ix", "name", "size", "zone", "zone_ix")
 
@@ -147,22 +211,35 @@ class Placement:
 class FreeIndex:
     """Free capacity of the schedulable nodes, by leaf (idle nodes) and by free-GPU count
     (partly used nodes). A node can be left out of the index (reserved for a job) and put
-    back; its ``free`` list stays exact either way."""
+    back; its ``free`` list stays exact either way.
 
-    def __init__(self, nodes: Iterable[NodeView]):
+    ``kept``: the slots kept from the last cycle (``KeptSlots``), used again where they equal
+    what this build would make, and kept for the next."""
+
+    def __init__(self, nodes: Iterable[NodeView], kept: KeptSlots | None = None):
         views = list(nodes)
-        lay = _layout(views)
+        lay = kept._reuse(views) if kept is not None else None
+        if lay is None:
+            lay = _layout(views)
         self.zones: list[str] = list(lay.zones)
         self.leaves: list[LeafInfo] = [LeafInfo(ix, name, zone, zix) for ix, (name, zone, zix) in enumerate(lay.leaves)]
         for leaf, size in zip(self.leaves, lay.leaf_size):
             leaf.size = size
         self.zone_leaves: list[list[int]] = lay.zone_leaves  # read-only
         self.zone_size = list(lay.zone_size)
-        slot_zone, slot_leaf = lay.slot_zone, lay.slot_leaf
-        slots = [NodeSlot(k, views[i], slot_zone[k], slot_leaf[k]) for k, i in enumerate(lay.order)]
-        gpus = [s.gpus for s in slots]
+        if kept is not None and kept.layout is lay and kept.views is views:  # (reused)
+            slots, by_name, gpus = kept.slots, kept.by_name, kept.gpus
+        else:
+            slot_zone, slot_leaf = lay.slot_zone, lay.slot_leaf
+            slots = [NodeSlot(k, views[i], slot_zone[k], slot_leaf[k]) for k, i in enumerate(lay.order)]
+            gpus = [s.gpus for s in slots]
+            by_name = dict(zip(lay.sorted_names, slots))
+            if kept is not None:
+                kept._store(views, lay, slots, by_name, gpus)
+        # the ords of the slots GPUs are taken from (a kept slot is built again after that)
+        self._taken: list[int] | None = kept.taken if kept is not None else None
         self.slots = slots
-        self.by_name: dict[str, NodeSlot] = dict(zip(lay.sorted_names, slots))
+        self.by_name: dict[str, NodeSlot] = by_name
         self.max_gpus = max(0, max(gpus, default=0))
         self.homogeneous = not gpus or gpus.count(gpus[0]) == len(gpus)  # every node as many GPUs
         # partial[f]: ords of indexed nodes with exactly f free GPUs, 0 < f < gpus
@@ -175,6 +252,7 @@ class FreeIndex:
         partial, leaves, zone_idle = self.partial, self.leaves, self.zone_idle
         for slot in self.slots:
             if slot.name in leave_out:
+                slot.indexed = False  # (a kept slot may have been indexed in the last cycle)
                 continue
             slot.indexed = True
             f = len(slot.free)
@@ -222,6 +300,8 @@ class FreeIndex:
         if len(gpus) != count:
             raise ValueError(f"node {slot.name} has {len(slot.free)} free GPUs, {count} asked")
         del slot.free[:count]
+        if self._taken is not None:
+            self._taken.append(slot.ord)
         if was:
             self.insert(slot)
         return gpus
