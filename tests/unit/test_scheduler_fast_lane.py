@@ -111,3 +111,65 @@ def test_the_lane_decides_as_the_full_ladder_does_with_service_classes(case, kno
     without = _decide_without_lane(snap, pol, now, monkeypatch)
     assert decision_hash.canonical(with_lane) == decision_hash.canonical(without)
     assert list(with_lane.pending_reasons.items()) == list(without.pending_reasons.items())
+
+
+@pytest.fixture
+def user_blind_lane(monkeypatch):
+    """The lane keyed without the user on every level (the fine lane off), the keys counted."""
+    from hai.domain.scheduler import core
+
+    monkeypatch.setattr(_Cycle, "fast_lane_min_jobs", 10**9)
+    monkeypatch.setattr(_Cycle, "coarse_lane_min_jobs", 0)
+    made = []
+    real = core._COARSE_KEY
+
+    def counted(job):
+        made.append(job.id)
+        return real(job)
+
+    monkeypatch.setattr(core, "_COARSE_KEY", counted)
+    return made
+
+
+@pytest.mark.parametrize("case", list(decision_hash.cases()), ids=lambda c: c[0])
+def test_the_lane_without_the_user_decides_as_the_full_ladder_does(case, user_blind_lane, monkeypatch):
+    # a level of many (user, shape) keys takes the lane keyed by shape and group alone: the
+    # same decisions, the reasons recorded in the same order
+    _name, snap, pol, now = case
+    with_lane = schedule(snap, pol, now)
+    assert user_blind_lane or not snap.queued
+    without = _decide_without_lane(snap, pol, now, monkeypatch)
+    assert decision_hash.canonical(with_lane) == decision_hash.canonical(without)
+    assert list(with_lane.pending_reasons.items()) == list(without.pending_reasons.items())
+
+
+def test_the_lane_without_the_user_leaves_time_sharing_groups_to_the_ladder(user_blind_lane, monkeypatch):
+    # the jobs past the wait threshold join their own user's group: keyed without the user, a
+    # second user's job must not join the first user's group
+    c = cluster().zone("A", leaves=2, nodes_per_leaf=4)
+    for i in range(8):
+        c.run(job(f"r{i}").user(f"o{i}").started(NOW - 6 * 3600).checkpoint(NOW - 60))
+    for i in range(40):
+        c.queue(job(f"q{i}").user("ann" if i % 3 else "bob").gpus(8 if i % 2 else 4).submitted(i).queued_at(NOW - 7200 + i))
+    snap = c.snapshot()
+    pol = Policy(**FIFO_LEVELS)
+    d = schedule(snap, pol, NOW)
+    assert user_blind_lane and d.suspends
+    assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)
+
+
+def test_the_lane_without_the_user_is_not_taken_when_a_quota_is_per_user(user_blind_lane, monkeypatch):
+    # ann's quota in group g is full, bob's is not: jobs of one shape and group, told apart by
+    # their user alone
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
+    c.run(job("r").group("g").user("ann").gpus(4).started(NOW - 3600))
+    c.quota("g", "NORMAL", 4, user="ann")
+    c.quota("g", "NORMAL", 8, user="bob")
+    for i in range(6):
+        c.queue(job(f"q{i}").group("g").user("ann" if i % 2 == 0 else "bob").gpus(4).submitted(i))
+    snap = c.snapshot()
+    d = schedule(snap, policy(), NOW)
+    assert not user_blind_lane
+    assert d.pending_reasons[c.id_of("q0")].startswith("user ann in group g at NORMAL uses 4 of 4 GPUs")
+    assert [s.job_id for s in d.starts] == [c.id_of("q1"), c.id_of("q3")]
+    assert d == _decide_without_lane(snap, policy(), NOW, monkeypatch)

@@ -77,6 +77,8 @@ _RESERVED = attrgetter("reserved_nodes")
 # what a plain job's outcome reads of the job itself when every rung is answered from the memos
 # (its level fixes its priority): the key of the level's fast lane
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
+# the same without the user (``_nominate_level``'s lane on a level of many lane keys)
+_COARSE_KEY = attrgetter("nodes", "gpus_per_node", "group", "allow_cross_zone")
 _FIRST = itemgetter(0)
 _THIRD = itemgetter(2)
 _APPEND = list.append
@@ -221,6 +223,10 @@ class _Cycle:
     # 168 M -> 297 M instructions with the lane on every kept level of 256 jobs or more)
     fast_lane_kept_min_jobs = 256
     fast_lane_jobs_per_key = 8
+    # a level of many lane keys, of at least this many jobs, takes the lane keyed without the
+    # user (a switch for the tests that compare it with the ladder; it never changes a decision)
+    coarse_lane = True
+    coarse_lane_min_jobs = 256
     # ``_retry_level`` passes over a job whose shape failed with nothing reserved to add (a switch
     # for the test that compares it with trying every job; it never changes a decision)
     retry_skips_failed_shapes = True
@@ -328,16 +334,24 @@ class _Cycle:
         lane_get = lane.get
         lane_on = self.fast_lane and (len(jobs) >= self.fast_lane_min_jobs
                                       or (isinstance(jobs, Level) and self._few_keys(jobs)))
+        # A level of many lane keys (a key per user and shape) takes the lane keyed without the
+        # user when no quota is per user: a plain job's outcome reads its user only when it
+        # joins its user's time-sharing group, and that outcome is not kept under such a key
+        # (the job walks the ladder). (The 10k cycle's VERY_HIGH level: 4,700 jobs, 1,500 lane
+        # keys, 280 without the user.)
+        coarse = (not lane_on and self.fast_lane and self.coarse_lane and len(jobs) >= self.coarse_lane_min_jobs
+                  and not (quota is not None and q_by_user))
+        lane_on = lane_on or coarse
         lane_state = self._lane_state()
         keys: Iterable = repeat(None)
         # each job's service class, from the level's runs of classes (0 without classes)
         classes: Iterable = self._class_stream(rank) if self.classes else repeat(0)
         todo: Iterable
-        if lane_on and isinstance(jobs, Level):  # the kept queue: keys kept, hits in bulk
+        if lane_on and not coarse and isinstance(jobs, Level):  # the kept queue: keys kept, hits in bulk
             todo = self._lane_misses(jobs, ts_since, lane, pend, self._kept_q.positions(jobs, chain(owned, pt)))
         else:
             if lane_on:
-                keys = zip(map(_LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
+                keys = zip(map(_COARSE_KEY if coarse else _LANE_KEY, jobs), map(le, map(_QUEUED_AT, jobs), repeat(ts_since)))
                 if self.classes:
                     keys = zip(keys, self._class_stream(rank))
             todo = zip(jobs, keys, classes)
@@ -418,7 +432,7 @@ class _Cycle:
                         grp[2].append(job)
                         grp[4].append(jid)
                         pend[jid] = grp[3]
-                        if plain and lane_on:
+                        if plain and lane_on and not coarse:  # (a group is its user's)
                             lane[key] = (grp[3], grp[2], grp[4])
                     else:
                         waiters.specials.setdefault(job.user, []).append((job, reason, self.memo.epoch))
