@@ -189,7 +189,8 @@ class Level:
 
 
 class KeptQueue:
-    """The queue kept across cycles (see the module's text). Pure data; one per caller."""
+    """The queue kept across cycles (see the module's text), and the cycle's node slots
+    (``slots``: ``placement.KeptSlots``). Pure data; one per caller."""
 
     def __init__(self) -> None:
         self._classes: tuple[float, ...] | None = None  # the class thresholds the order was built with
