@@ -133,8 +133,8 @@ class KeptSlots:
     records the slot here) and ``indexed`` (set for every slot by ``FreeIndex.fill``). So a slot
     whose view is the very object it was built from (views are frozen) and that no cycle took
     GPUs from since is the slot a new build would make, and is used again; every other slot is
-    built again. A view list of another length, or a changed view with another name, zone or
-    leaf (another layout), is built in full."""
+    built again. A view list of another length, a changed view with another name, zone or leaf
+    (another layout), or more than a quarter of the views new objects, is built in full."""
 
     __slots__ = ("built", "by_name", "gpus", "layout", "rebuilt", "slots", "taken", "views", "where")
 
@@ -155,6 +155,8 @@ class KeptSlots:
         if old is None or lay is None or len(old) != len(views):
             return None
         changed = list(compress(range(len(views)), map(is_not, views, old)))
+        if len(changed) * 4 > len(views):
+            return None  # most views are new objects (a caller that builds them all each cycle)
         names, zones, leaves = lay.names, lay.zone_of, lay.leaf_of
         for p in changed:
             v = views[p]
@@ -176,11 +178,12 @@ class KeptSlots:
 
     def _store(self, views: list[NodeView], lay: _Layout, slots: list[NodeSlot], by_name: dict[str, NodeSlot],
                gpus: list[int]) -> None:
+        if lay is not self.layout:
+            where = [0] * len(views)
+            for k, i in enumerate(lay.order):
+                where[i] = k
+            self.where = where
         self.views, self.layout, self.slots, self.by_name, self.gpus = views, lay, slots, by_name, gpus
-        where = [0] * len(views)
-        for k, i in enumerate(lay.order):
-            where[i] = k
-        self.where = where
         self.taken.clear()
         self.built += 1
         self.rebuilt = len(slots)
