@@ -69,17 +69,22 @@ def test_the_lane_decides_as_the_full_ladder_does(case, monkeypatch):
     assert list(with_lane.pending_reasons.items()) == list(without.pending_reasons.items())
 
 
-def test_the_lane_groups_time_sharing_candidates_as_the_ladder_does(monkeypatch):
-    # a full cluster of LOW jobs of other users that ran past the quantum; many waiting jobs of
-    # two users and two shapes, all past the wait threshold: each (user, shape) group must hold
-    # its jobs in FIFO order whichever way they were answered, so time-sharing picks the same
+def _two_users_past_the_threshold():
+    """A full cluster of LOW jobs of other users that ran past the quantum; 40 waiting jobs of
+    two users and two shapes, all past the wait threshold (FIFO levels)."""
     c = cluster().zone("A", leaves=2, nodes_per_leaf=4)
     for i in range(8):
         c.run(job(f"r{i}").user(f"o{i}").started(NOW - 6 * 3600).checkpoint(NOW - 60))
     for i in range(40):
         c.queue(job(f"q{i}").user("ann" if i % 3 else "bob").gpus(8 if i % 2 else 4).submitted(i).queued_at(NOW - 7200 + i))
-    snap = c.snapshot()
-    pol = Policy(**FIFO_LEVELS)
+    return c.snapshot(), Policy(**FIFO_LEVELS)
+
+
+def test_the_lane_groups_time_sharing_candidates_as_the_ladder_does(monkeypatch):
+    # a full cluster of LOW jobs of other users that ran past the quantum; many waiting jobs of
+    # two users and two shapes, all past the wait threshold: each (user, shape) group must hold
+    # its jobs in FIFO order whichever way they were answered, so time-sharing picks the same
+    snap, pol = _two_users_past_the_threshold()
     d = schedule(snap, pol, NOW)
     assert d.suspends  # time-sharing found victims for some of them
     assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)
@@ -146,13 +151,7 @@ def test_the_lane_without_the_user_decides_as_the_full_ladder_does(case, user_bl
 def test_the_lane_without_the_user_leaves_time_sharing_groups_to_the_ladder(user_blind_lane, monkeypatch):
     # the jobs past the wait threshold join their own user's group: keyed without the user, a
     # second user's job must not join the first user's group
-    c = cluster().zone("A", leaves=2, nodes_per_leaf=4)
-    for i in range(8):
-        c.run(job(f"r{i}").user(f"o{i}").started(NOW - 6 * 3600).checkpoint(NOW - 60))
-    for i in range(40):
-        c.queue(job(f"q{i}").user("ann" if i % 3 else "bob").gpus(8 if i % 2 else 4).submitted(i).queued_at(NOW - 7200 + i))
-    snap = c.snapshot()
-    pol = Policy(**FIFO_LEVELS)
+    snap, pol = _two_users_past_the_threshold()
     d = schedule(snap, pol, NOW)
     assert user_blind_lane and d.suspends
     assert d == _decide_without_lane(snap, pol, NOW, monkeypatch)
