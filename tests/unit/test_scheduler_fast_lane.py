@@ -172,3 +172,90 @@ def test_the_lane_without_the_user_is_not_taken_when_a_quota_is_per_user(user_bl
     assert d.pending_reasons[c.id_of("q0")].startswith("user ann in group g at NORMAL uses 4 of 4 GPUs")
     assert [s.job_id for s in d.starts] == [c.id_of("q1"), c.id_of("q3")]
     assert d == _decide_without_lane(snap, policy(), NOW, monkeypatch)
+
+
+def _decide_deferring_late(snap, pol, now, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(_Cycle, "defer_early", False)
+        return schedule(snap, pol, now)
+
+
+@pytest.fixture
+def early_groups(monkeypatch):
+    """The time-sharing groups whose reason the level wrote deferred already, per user (counted
+    as ``_time_share`` receives them), and the users that also had special jobs."""
+    seen: dict[str, list[bool]] = {}
+    real = _Cycle._time_share
+
+    def counted(self, waiters):
+        for user, byshape in waiters.groups.items():
+            seen.setdefault(user, []).extend(g[4] for g in byshape.values())
+            if user in waiters.specials:
+                seen.setdefault("<specials>", []).append(any(g[4] for g in byshape.values()))
+        return real(self, waiters)
+
+    monkeypatch.setattr(_Cycle, "_time_share", counted)
+    return seen
+
+
+@pytest.mark.parametrize("cap", [0, 2])
+@pytest.mark.parametrize("case", list(decision_hash.cases())[::2], ids=lambda c: c[0])
+def test_a_group_deferred_by_the_level_ends_with_the_reasons_time_sharing_gives(case, cap, early_groups, monkeypatch):
+    # a group formed after the cycle's plans were spent has its jobs' deferred reason written
+    # by the level: the same decisions and reasons, recorded in the same order, as writing the
+    # level's reason and then time-sharing's
+    _name, snap, pol, now = case
+    pol = replace(pol, max_preemptions_per_cycle=cap)
+    got = schedule(snap, pol, now)
+    want = _decide_deferring_late(snap, pol, now, monkeypatch)
+    assert decision_hash.canonical(got) == decision_hash.canonical(want)
+    assert list(got.pending_reasons.items()) == list(want.pending_reasons.items())
+
+
+def test_cases_with_groups_deferred_by_the_level_exist(early_groups, monkeypatch):
+    # (the comparison above is not empty) with no plan allowed, some case's groups are
+    # deferred by the level
+    for _name, snap, pol, now in list(decision_hash.cases())[::2]:
+        schedule(snap, replace(pol, max_preemptions_per_cycle=0), now)
+    assert any(any(v) for u, v in early_groups.items() if u != "<specials>")
+
+
+def test_groups_deferred_by_the_level_only_where_time_sharing_would_defer_them(early_groups, monkeypatch):
+    # no plan allowed this cycle; every running job is ann's and ran past the quantum, so only
+    # bob's jobs could take a turn from others': only bob's groups are deferred by the level.
+    # Bob's first job of each shape walks the placement itself (time-shared on its own), so
+    # time-sharing takes his groups in turn: it writes back the level's reason first, which his
+    # jobs of 16 GPUs a node keep (no node could ever hold them: not deferred). Ann's jobs find
+    # every shape failed already: her groups keep the level's reason, untouched.
+    c = cluster().zone("A", leaves=2, nodes_per_leaf=4)
+    for i in range(8):
+        c.run(job(f"r{i}").user("ann").started(NOW - 6 * 3600).checkpoint(NOW - 60))
+    shapes = (4, 8, 16)
+    for i, g in enumerate(shapes):
+        c.queue(job(f"b{i}").user("bob").gpus(g).submitted(i).queued_at(NOW - 7200 + i))
+    for i in range(3, 30):
+        c.queue(job(f"q{i}").user("ann" if i % 2 else "bob").gpus(shapes[i % 3]).submitted(i).queued_at(NOW - 7200 + i))
+    snap = c.snapshot()
+    pol = Policy(**FIFO_LEVELS, max_preemptions_per_cycle=0)
+    got = schedule(snap, pol, NOW)
+    assert all(early_groups["bob"]) and not any(early_groups["ann"]) and early_groups["<specials>"] == [True]
+    want = _decide_deferring_late(snap, pol, NOW, monkeypatch)
+    assert got == want
+    assert list(got.pending_reasons.items()) == list(want.pending_reasons.items())
+    bob16 = [got.pending_reasons[c.id_of(f"q{i}")] for i in range(3, 30) if i % 2 == 0 and shapes[i % 3] == 16]
+    bob8 = [got.pending_reasons[c.id_of(f"q{i}")] for i in range(3, 30) if i % 2 == 0 and shapes[i % 3] == 8]
+    assert bob16 and bob8 and set(bob16).isdisjoint(bob8)
+
+
+def test_a_user_with_jobs_of_its_own_to_time_share_gets_back_the_levels_reason(early_groups, monkeypatch):
+    # no plan allowed this cycle: ann's and bob's groups are deferred by the level; both also
+    # have jobs time-shared on their own (the first job of each shape walks the placement
+    # itself), so their groups are taken in turn by time-sharing, which first writes back the
+    # reason the level would have written
+    snap, pol = _two_users_past_the_threshold()
+    pol = replace(pol, max_preemptions_per_cycle=0)
+    got = schedule(snap, pol, NOW)
+    assert all(early_groups["ann"]) and all(early_groups["bob"]) and early_groups["<specials>"] == [True, True]
+    want = _decide_deferring_late(snap, pol, NOW, monkeypatch)
+    assert got == want
+    assert list(got.pending_reasons.items()) == list(want.pending_reasons.items())

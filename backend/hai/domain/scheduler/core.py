@@ -231,6 +231,10 @@ class _Cycle:
     # for the test that compares it with trying every job; it never changes a decision)
     retry_skips_failed_shapes = True
     retry_skipped = 0  # (for that test) jobs passed over so
+    # a time-sharing group formed after the cycle's plans were spent has its jobs' deferred
+    # reason written by the level (a switch for the test that compares it with writing it in
+    # ``_time_share``; it never changes a decision)
+    defer_early = True
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None):
         self.snap, self.policy, self.now = snapshot, policy, now
@@ -319,7 +323,7 @@ class _Cycle:
         ahead = self._ahead.get(rank, {})
         waiters = _Waiters()
         # (user, nodes, GPUs a node) -> (reason, epoch, jobs, pending reason, their ids)
-        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str, list[int]]] = {}
+        groups: dict[tuple[str, int, int], tuple[str, int, list[QueuedJob], str, list[int], bool]] = {}
         final: dict[tuple[str, bool, int], str] = {}  # (placement failure, deferred, class) -> pending reason
         # The fast lane: a plain job all of whose rungs were answered from the memos, without
         # changing anything, leaves (its pending reason, the time-sharing group it joined) under
@@ -427,8 +431,16 @@ class _Cycle:
                         gkey = (job.user, n, g)
                         grp = groups.get(gkey)
                         if grp is None:
-                            # the reason its jobs keep if time-sharing finds nothing for them
-                            grp = groups[gkey] = (reason, self.memo.epoch, [], reason + self._note(job, True, False), [])
+                            # the reason its jobs keep if time-sharing finds nothing for them;
+                            # or, when the cycle's plans are spent already and the user's jobs
+                            # could take a turn from others' (both stay so for the cycle), the
+                            # reason ``_time_share`` gives them, deferred, unless the user has
+                            # jobs of its own to time-share (it then writes them back first):
+                            # each job's reason written once, not twice (~25,000 at 10k)
+                            early = (self.defer_early and self.plans_applied >= cap
+                                     and self.facts.could_preempt(job, True))
+                            grp = groups[gkey] = (reason, self.memo.epoch, [],
+                                                  reason + self._note(job, True, early), [], early)
                         grp[2].append(job)
                         grp[4].append(jid)
                         pend[jid] = grp[3]
@@ -464,8 +476,8 @@ class _Cycle:
                         lane.clear()
                         self._lane_gen += 1
                         lane_state = now_state
-        for (user, n, g), (reason, epoch, lst, _final, ids) in groups.items():
-            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst, ids)
+        for (user, n, g), (reason, epoch, lst, _final, ids, early) in groups.items():
+            waiters.groups.setdefault(user, {})[(n, g)] = (reason, epoch, lst, ids, early)
         return waiters
 
     def _few_keys(self, lv: Level) -> bool:
@@ -966,7 +978,7 @@ class _Cycle:
         usage = self.snap.usage
         oldest: dict[str, tuple[float, int]] = {}
         for user, byshape in groups.items():
-            for _reason, _epoch, lst, _ids in byshape.values():
+            for _reason, _epoch, lst, _ids, _early in byshape.values():
                 k = (lst[0].first_submitted_at, lst[0].id)
                 if user not in oldest or k < oldest[user]:
                     oldest[user] = k
@@ -985,7 +997,9 @@ class _Cycle:
                 byshape = groups[user]
                 first = next(iter(byshape.values()))[2][0]
                 if self.facts.could_preempt(first, True):
-                    for reason, _e, lst, ids in byshape.values():
+                    for reason, _e, lst, ids, early in byshape.values():
+                        if early:
+                            continue  # (written so by the level already)
                         # (the note is the level's own when deferred: one sentence per reason)
                         got = deferred_as.get(reason)
                         if got is None:
@@ -999,7 +1013,9 @@ class _Cycle:
             # lane appended ids only), each job read by id when its turn comes: a group whose
             # first job finds no victims is not read further
             members: dict[tuple[int, int], list] = {}
-            for shape, (_r, _e, lst, ids) in groups.get(user, {}).items():
+            for shape, (reason, _e, lst, ids, early) in groups.get(user, {}).items():
+                if early:  # the jobs' reason if time-sharing finds nothing, as the level would have written it
+                    pend.update(zip(ids, repeat(reason + self._note(lst[0], True, False))))
                 members[shape] = lst if byid is None else ids
                 heap.append((lst[0].first_submitted_at, lst[0].id, 1, shape, 0))
             heapq.heapify(heap)
@@ -1009,7 +1025,7 @@ class _Cycle:
                     job, reason, epoch = specials[user][key]
                     self._ts_one(job, reason, epoch)
                     continue
-                reason, epoch, _lst, _ids = groups[user][key]
+                reason, epoch, _lst, _ids, _early = groups[user][key]
                 lst = members[key]
                 ok, deferred = self._ts_one(lst[pos] if byid is None else byid[lst[pos]], reason, epoch)
                 if ok:
@@ -1052,12 +1068,13 @@ class _Cycle:
 
 class _Waiters:
     """The jobs of one priority level that waited past the threshold and may time-share:
-    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids;
-    with the kept queue the job list holds only the members the ladder saw, the ids all)) for jobs
+    ``groups`` (user -> (nodes, GPUs per node) -> (reason, epoch, jobs in FIFO order, their ids,
+    whether their reason was written deferred already; with the kept queue the job list holds
+    only the members the ladder saw, the ids all)) for jobs
     with nothing reserved, ``specials`` (user -> [(job, reason, epoch)]) for the others."""
 
     __slots__ = ("groups", "specials")
 
     def __init__(self) -> None:
-        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob], list[int]]]] = {}
+        self.groups: dict[str, dict[tuple[int, int], tuple[str, int, list[QueuedJob], list[int], bool]]] = {}
         self.specials: dict[str, list[tuple[QueuedJob, str, int]]] = {}
