@@ -298,9 +298,9 @@ def test_the_retry_of_a_level_passes_over_failed_shapes_and_decides_the_same(mon
     skipped = []
     real_retry = _Cycle._retry_level
 
-    def retry(self, jobs):  # noqa: ANN001, ANN202
+    def retry(self, rank, jobs):  # noqa: ANN001, ANN202
         before = self.retry_skipped
-        real_retry(self, jobs)
+        real_retry(self, rank, jobs)
         skipped.append(self.retry_skipped - before)
 
     monkeypatch.setattr(_Cycle, "_retry_level", retry)

@@ -297,7 +297,7 @@ class _Cycle:
             waiters = self._nominate_level(rank, jobs)  # 3. start, reserve, or wait
             self._time_share(waiters)  # 4. time-sharing within the level
             if self.memo.epoch != level_epoch:
-                self._retry_level(jobs)  # 5. capacity came back: the level's jobs again
+                self._retry_level(rank, jobs)  # 5. capacity came back: the level's jobs again
         return self.decisions
 
     # -- 3. nominate ---------------------------------------------------------------------------
@@ -1038,7 +1038,7 @@ class _Cycle:
                         pend[job.id] = reason + self._note(job, True, True)
 
     # -- 5. retry ---------------------------------------------------------------------------------
-    def _retry_level(self, jobs: list[QueuedJob]) -> None:
+    def _retry_level(self, rank: int, jobs: list[QueuedJob]) -> None:
         """Reserved nodes were given back (their owner started elsewhere or gave up) after some
         of this level's jobs had their turn: offer the freed capacity to them again, in order
         (the next cycle would, a second later)."""
@@ -1051,7 +1051,11 @@ class _Cycle:
             n, g = job.nodes, job.gpus_per_node
             if jid in started or jid in d.reservations or n < 1 or g < 1:
                 continue
-            extras = res.extras(job, _rank(job.priority)) if res.owner else []
+            # (``Reservations.extras``, asked only where it may be non-empty: the job owns nodes,
+            # or some owner ranks below the level; a call per job was half of this pass)
+            low = res.lowest_rank
+            extras = (res.extras(job, rank) if res.owner and (jid in res.owned or (low is not None and low < rank))
+                      else [])
             # a shape that failed with no reserved nodes to add fails again (``_try_place``'s
             # memo): nothing to do for the job, whatever its quota says
             if (self.retry_skips_failed_shapes and not extras
