@@ -259,3 +259,15 @@ def test_a_user_with_jobs_of_its_own_to_time_share_gets_back_the_levels_reason(e
     want = _decide_deferring_late(snap, pol, NOW, monkeypatch)
     assert got == want
     assert list(got.pending_reasons.items()) == list(want.pending_reasons.items())
+
+
+def test_the_rest_of_a_group_deferred_by_the_cap_in_its_turn_is_told_so():
+    # one plan allowed: bob's first 4-GPU job takes it; time-sharing then reaches each other
+    # group in turn, whose first job finds the cycle's plans spent: that job and the rest of its
+    # group wait for the next cycle, and every one of them is told so
+    snap, pol = _two_users_past_the_threshold()
+    d = schedule(snap, replace(pol, max_preemptions_per_cycle=1), NOW)
+    assert len(d.reservations) == 1 and len(d.suspends) == 1
+    waiting = [r for jid, r in d.pending_reasons.items() if jid not in d.reservations]
+    assert len(waiting) == 39
+    assert all(r.endswith("this cycle already planned 1 preemptions, the next cycle continues") for r in waiting)

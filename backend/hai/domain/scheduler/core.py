@@ -990,6 +990,14 @@ class _Cycle:
         cap = self.policy.max_preemptions_per_cycle
         byid = self._kept_q._byid if self._kept is not None else None
         deferred_as: dict[str, str] = {}  # a group's reason -> its pending reason when deferred
+
+        def deferred_reason(reason: str, job: QueuedJob) -> str:
+            # (the note is the level's own when deferred: one sentence per reason)
+            got = deferred_as.get(reason)
+            if got is None:
+                got = deferred_as[reason] = reason + self._note(job, True, True)
+            return got
+
         for user in sorted(oldest, key=lambda u: (usage.get(u, 0.0), oldest[u])):
             if self.plans_applied >= cap and user not in specials:
                 # the cycle's preemption budget is spent: a user's groups are either deferred
@@ -1000,11 +1008,7 @@ class _Cycle:
                     for reason, _e, lst, ids, early in byshape.values():
                         if early:
                             continue  # (written so by the level already)
-                        # (the note is the level's own when deferred: one sentence per reason)
-                        got = deferred_as.get(reason)
-                        if got is None:
-                            got = deferred_as[reason] = reason + self._note(lst[0], True, True)
-                        pend.update(zip(ids, repeat(got)))
+                        pend.update(zip(ids, repeat(deferred_reason(reason, lst[0]))))
                 continue
             heap: list[tuple] = []
             for k, (job, _r, _e) in enumerate(specials.get(user, ())):
@@ -1027,15 +1031,15 @@ class _Cycle:
                     continue
                 reason, epoch, _lst, _ids, _early = groups[user][key]
                 lst = members[key]
-                ok, deferred = self._ts_one(lst[pos] if byid is None else byid[lst[pos]], reason, epoch)
+                job = lst[pos] if byid is None else byid[lst[pos]]
+                ok, deferred = self._ts_one(job, reason, epoch)
                 if ok:
                     if pos + 1 < len(lst):
                         nxt = lst[pos + 1] if byid is None else byid[lst[pos + 1]]
                         heapq.heappush(heap, (nxt.first_submitted_at, nxt.id, 1, key, pos + 1))
                 elif deferred:  # the rest of the group is deferred too, not out of victims
-                    rest = lst[pos + 1 :] if byid is None else map(byid.__getitem__, lst[pos + 1 :])
-                    for job in rest:
-                        pend[job.id] = reason + self._note(job, True, True)
+                    rest = map(_BY_ID, lst[pos + 1 :]) if byid is None else lst[pos + 1 :]  # (ids)
+                    pend.update(zip(rest, repeat(deferred_reason(reason, job))))
 
     # -- 5. retry ---------------------------------------------------------------------------------
     def _retry_level(self, rank: int, jobs: list[QueuedJob]) -> None:
