@@ -341,7 +341,7 @@ def _free_now_plan(
     best_plan: Plan | None = None
     idle = table.idle_nodes(index)
     nodes_of, slots = table.nodes_of, index.slots
-    held = {o for i in pend for o in nodes_of[i]}  # the nodes of the jobs suspending for it
+    freeing = {o for i in pend for o in nodes_of[i]}  # the nodes of the jobs suspending for it
     zone_start = 0
     for z, size in enumerate(index.zone_size):
         lo = zone_start
@@ -349,9 +349,9 @@ def _free_now_plan(
         if size < nodes:
             continue
         ords = idle[z]
-        mine = [o for o in held if lo <= o < zone_start]
-        if mine:
-            ords = sorted(set(ords).union(mine))
+        here = [o for o in freeing if lo <= o < zone_start]
+        if here:
+            ords = sorted(set(ords).union(here))
         if len(ords) < nodes:
             continue  # (the nodes free now are among them)
         cand = _scanned_candidates([slots[o] for o in ords], table, gpus_per_node, usable, None, pend)  # no victims
