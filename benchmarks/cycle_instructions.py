@@ -102,13 +102,17 @@ def _count(cycles: int, settings: bool, extra: list[str]) -> int:
     return int(m.group(1))
 
 
-def _is_sequence(path: str) -> bool:
-    """Whether a saved snapshot file holds a changing sequence (``--save-snapshot --changing``)."""
+def _saved(path: str) -> tuple[list[int], bool]:
+    """What a saved snapshot file holds: the size of its (first) snapshot as [nodes, running,
+    queued], and whether it is a changing sequence (``--save-snapshot --changing``)."""
     import pickle
 
     sys.path.insert(0, str(ROOT.parent / "backend"))
     with open(path, "rb") as f:
-        return isinstance(pickle.load(f), list)
+        got = pickle.load(f)
+    seq = isinstance(got, list)
+    snap = got[0][0] if seq else got
+    return [len(snap.nodes), len(snap.running), len(snap.queued)], seq
 
 
 def main() -> None:
@@ -158,8 +162,11 @@ def main() -> None:
     extra += ["--snapshot", os.path.abspath(args.snapshot)] if args.snapshot else []
     one, many = _count(1, args.settings, extra), _count(args.cycles, args.settings, extra)
     out = {"instructions_per_cycle": (many - one) // (args.cycles - 1), "run_1_cycle": one, f"run_{args.cycles}_cycles": many}
-    print(json.dumps({"policy": "settings" if args.settings else "default", "size": list(size), "kept": args.kept,
-                      **({"changing": True} if args.snapshot and _is_sequence(args.snapshot) else {}),
+    # the size counted: the saved snapshot's own (its nodes, running and queued jobs; the size
+    # flags do not apply to it), else the size asked
+    shown, changing = _saved(args.snapshot) if args.snapshot else (list(size), False)
+    print(json.dumps({"policy": "settings" if args.settings else "default", "size": shown, "kept": args.kept,
+                      **({"changing": True} if changing else {}),
                       **({"snapshot": args.snapshot} if args.snapshot else {}), **out}))  # fmt: skip
 
 
