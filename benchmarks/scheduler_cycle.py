@@ -52,6 +52,7 @@ from hai.domain.scheduler import (
     QueueDelta,
     QueuedJob,
     Quota,
+    RunningDelta,
     RunningJob,
     Snapshot,
     schedule,
@@ -159,9 +160,12 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
     susp = {s.job_id: s.for_job_id for s in d.suspends}
     dem = {m.job_id: m.to for m in d.demotions}
     back: list[QueuedJob] = []
+    came: list[RunningJob] = []  # (the RunningDelta) new objects: started, or a row that changed
+    left: list[RunningJob] = []  # objects of the last tuple not in the new one
     ending = set(rng.sample(range(len(snap.running)), min(ends, len(snap.running))))
     for k, r in enumerate(snap.running):
         if k in ending or (r.state is JobState.SUSPENDING and rng.random() < 0.5):
+            left.append(r)
             for a in r.allocations:
                 freed.setdefault(a.node, set()).update(a.gpus)
             if k not in ending:  # suspended: back in the queue
@@ -170,10 +174,14 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
                                       submitted_priority=r.submitted_priority, allow_cross_zone=r.allow_cross_zone,
                                       attained_gpu_s=r.attained_gpu_s + (later - r.started_at) * r.gpu_count))
             continue
+        was = r
         if r.id in dem:
             r = replace(r, priority=Priority(dem[r.id]))
         if r.id in susp:
             r = replace(r, state=JobState.SUSPENDING, suspend_requested_for=susp[r.id])
+        if r is not was:
+            left.append(was)
+            came.append(r)
         running.append(r)
     for st in d.starts:
         q = by_q[st.job_id]
@@ -182,6 +190,7 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
         running.append(RunningJob(q.id, q.user, q.group, q.priority, q.nodes, q.gpus_per_node, st.allocations,
                                   JobState.STARTING, now, q.first_submitted_at, q.submitted_priority,
                                   allow_cross_zone=q.allow_cross_zone, attained_gpu_s=q.attained_gpu_s))
+        came.append(running[-1])
     nodes = tuple(
         n if n.name not in freed and n.name not in taken else
         NodeView(n.name, n.zone, n.leaf, n.gpus,
@@ -210,13 +219,16 @@ def next_snapshot(snap: Snapshot, d, now: float, dt: float, rng: random.Random, 
     queued.extend(back)
     changed.extend(back)
     queued.sort(key=lambda q: q.id)  # as the service reads them
+    # as the service's ActiveCache does, how the running tuple differs from the last
+    now_running = tuple(running)
+    rdelta = RunningDelta(snap.running, now_running, tuple(came), tuple(left))
     if len(queued) == len(snap.queued) and all(map(is_, queued, snap.queued)):
         # no queued row changed: the service hands over the same tuple
-        return Snapshot(nodes, tuple(running), snap.queued, snap.quotas, snap.usage), next_id
+        return Snapshot(nodes, now_running, snap.queued, snap.quotas, snap.usage, running_delta=rdelta), next_id
     # and, as the service's QueueCache does, how the new tuple differs from the last
     new = tuple(queued)
     delta = QueueDelta(snap.queued, new, tuple(changed), tuple(sorted(started)))
-    return Snapshot(nodes, tuple(running), new, snap.quotas, snap.usage, queue_delta=delta), next_id
+    return Snapshot(nodes, now_running, new, snap.quotas, snap.usage, queue_delta=delta, running_delta=rdelta), next_id
 
 
 def changing_cycles(args, snap: Snapshot, policy: Policy) -> dict:

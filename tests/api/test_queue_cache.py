@@ -36,6 +36,7 @@ def _same(api, cache) -> int:  # noqa: ANN001
     """Asserts the incremental read equals a full read; returns the rows it read."""
     full_snap, full_now = _snapshot(api)
     last, full_reads = cache.ordered, cache.full_reads
+    last_running, since = cache.active.ordered, cache.active.since
     snap, now = _snapshot(api, cache)
     assert snap.queued == full_snap.queued
     assert now == full_now
@@ -46,6 +47,7 @@ def _same(api, cache) -> int:  # noqa: ANN001
     assert counted == scheduling.gpus_by_user(full_snap.running)
     if api.platform.engine.dialect.name == "postgresql":
         assert counted is cache.active.gpus_of_user
+        _running_delta_true(snap, last_running, since == cache.active.since)
     if last:  # a read that found no row changed hands over the very tuple of the last (KeptQueue.sync: no proof)
         assert (snap.queued is last) == (cache.rows_read == 0 and cache.full_reads == full_reads)
     delta = snap.queue_delta
@@ -63,6 +65,23 @@ def _same(api, cache) -> int:  # noqa: ANN001
     elif cache.full_reads != full_reads:
         assert delta is None  # a full read: no account
     return cache.rows_read
+
+
+def _running_delta_true(snap, last_running, incremental: bool) -> None:  # noqa: ANN001
+    """PostgreSQL: a running tuple that is not the last one handed over comes, after an
+    incremental read, with a true account of how it differs (``RunningDelta``: the domain keeps
+    its quota charges by it without checking); the same tuple, or a first or full read, with none."""
+    delta = snap.running_delta
+    if last_running is None or not incremental or snap.running is last_running:
+        assert delta is None
+        return
+    assert delta is not None and delta.base is last_running and delta.running is snap.running
+    ids = set(map(id, snap.running))
+    base = set(map(id, last_running))
+    came, left = set(map(id, delta.came)), set(map(id, delta.left))
+    assert len(came) == len(delta.came) and len(left) == len(delta.left)
+    assert came <= ids and not came & base and left <= base and not left & ids
+    assert ids == (base - left) | came  # every other job is the very object it was
 
 
 def _cycle(api, loop, lease):  # noqa: ANN001, ANN202

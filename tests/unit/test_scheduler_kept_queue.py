@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hai.domain.scheduler import KeptQueue, Policy, schedule
+from hai.domain.scheduler import KeptQueue, Policy, Quota, schedule
 from hai.domain.scheduler import kept as kept_mod
 from hai.domain.scheduler.core import _Cycle
 from hai.domain.scheduler.model import FIFO_LEVELS
@@ -336,3 +336,50 @@ def test_the_kept_node_slots_index_as_a_fresh_build_cycle_after_cycle():
     n = len(got.index.slots)  # the schedulable nodes
     assert kept.slots.built == 1 and rebuilt[0] == n
     assert all(0 < k <= n // 4 for k in rebuilt[1:])
+
+
+def _charges(c: _Cycle) -> tuple[dict, dict, float]:
+    """A cycle's quota charges as a full pass gives them: the GPUs used in every bucket (a bucket
+    at 0 is the same as none) and the least room left."""
+    q = c.quota
+    return ({k: v for k, v in q.group_used.items() if v}, {k: v for k, v in q.user_used.items() if v}, q.min_headroom)
+
+
+def test_the_kept_quota_charges_are_what_a_pass_over_every_running_job_charges_cycle_after_cycle():
+    """The caller's ``KeptQueue`` also keeps the running jobs' GPUs by quota bucket
+    (``quota.KeptCharges``), updated from each snapshot's account of the jobs that came and left
+    (``RunningDelta``): in every cycle of a changing cluster (starts, suspensions, ends,
+    demotions of ABOVE_NORMAL jobs past ``demote_after_s``, a quota per user added midway, a
+    cycle whose decisions were lost, a snapshot whose account is of another tuple) the charges
+    are those of a pass over every running job at its effective rank, and the cycle decides as
+    from scratch."""
+    rng = random.Random(5)
+    pol = Policy(demote_after_s=600.0)
+    snap = build_snapshot(1000, 2000, 1500, 5)
+    kept = KeptQueue()
+    now, next_id = NOW, 10_000_000
+    demoted = 0
+    for k in range(9):
+        if k == 4:  # a user's own cap appears, its running tuple already charged without one: the
+            _Cycle(snap, pol, now, kept)  # kept totals gain the per-user buckets (a full sum)
+            r = snap.running[0]
+            snap = replace(snap, quotas=snap.quotas + (Quota(r.group, r.priority, 10_000, user=r.user),))
+        if k == 6:  # a snapshot two changes on: its account is of a tuple the keeper never saw (a full sum)
+            d = schedule(snap, pol, now)
+            snap, next_id = next_snapshot(snap, d, now, 60.0, rng, 20, 10, next_id)
+            now += 60.0
+        if k == 2:  # a cycle whose decisions are lost (the same running tuple next time)
+            assert _Cycle(snap, pol, now, kept).run().starts
+        got = _Cycle(snap, pol, now, kept)
+        full = _Cycle(snap, pol, now)
+        assert _charges(got) == _charges(full)
+        assert got.facts.demoted == full.facts.demoted
+        demoted += len(got.facts.demoted)
+        d = got.run()
+        assert canonical(d) == canonical(full.run())
+        snap, next_id = next_snapshot(snap, d, now, 60.0, rng, 20, 10, next_id)
+        now += 60.0
+    assert demoted > 0  # the demoted jobs' charges moved to the rank they run at
+    assert kept.charges.user is not None and snap.quotas[-1].user is not None
+    # the first cycle, the user's cap and the account of an unseen tuple summed; the rest updated
+    assert (kept.charges.sums, kept.charges.accounts) == (3, 7)

@@ -199,6 +199,12 @@ class ActiveCache:
         self.jobs_of_user: dict[str, int] = {}
         self.unstarted: set[int] = set()  # the active jobs whose attempt has no start yet
         self.ordered: tuple[sched.RunningJob, ...] | None = None  # ``built`` by id; None after a change
+        # how ``ordered`` differs from the tuple the refresh before handed over (the domain keeps
+        # its quota charges by it: ``quota.KeptCharges``); None when it is that very tuple, or
+        # after a first or full read. The jobs built (``_came``) and dropped (``_left``) since
+        self.delta: sched.RunningDelta | None = None
+        self._came: list[sched.RunningJob] = []
+        self._left: list[sched.RunningJob] = []
         self.indices: dict[str, list[int]] | None = None  # the nodes' GPU numbering ``built`` used
         self.since: int | None = None  # the transaction id of the first read
         self.rows_read = 0  # job and allocation rows read in full by the last cycle
@@ -209,11 +215,14 @@ class ActiveCache:
         cur.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
         next_xid = cur.fetchone()[0]
         held_changed: set[str] = set()
+        handed = self.ordered  # the tuple handed over last (None: not known)
         if self.since is None or next_xid - self.since > PG_HORIZON_MAX_AGE:
             held_changed = set(self.held)  # (their views held GPUs that are read again now)
             self.__init__()
             self.since = next_xid
+            handed = None
         self.held_changed = held_changed
+        self._came, self._left = [], []
         dirty: set[int] = set()
         self.rows_read = 0
         # the allocations first: a removed one's GPUs leave ``held`` before a new one's come in
@@ -259,17 +268,24 @@ class ActiveCache:
                 old = built.get(i)
                 if old is not None:
                     self._uncount(old)
+                    self._left.append(old)
                 built[i] = r = _running(got[1], allocs, indices, now)
+                self._came.append(r)
                 self._count(r)
                 self.ordered = None
+        self.delta = None
         if self.ordered is None:
             self.ordered = tuple(built[i] for i in sorted(built))
+            if handed is not None:
+                self.delta = sched.RunningDelta(handed, self.ordered, tuple(self._came), tuple(self._left))
         return self.ordered
 
     def _drop_job(self, i: int) -> None:
         if self.jobs.pop(i, None) is not None:
             self.unstarted.discard(i)
-            self._uncount(self.built.pop(i))
+            old = self.built.pop(i)
+            self._uncount(old)
+            self._left.append(old)
             self.ordered = None
 
     def _count(self, r: sched.RunningJob) -> None:
@@ -581,6 +597,7 @@ def _load(
         quotas=quotas,
         usage=usage,
         queue_delta=queue.delta if queue is not None else None,
+        running_delta=queue.active.delta if pg else None,
     )
     return snapshot, current
 

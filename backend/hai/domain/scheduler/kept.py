@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 
 from hai.domain.scheduler.model import Policy, QueueDelta, QueuedJob, Snapshot
 from hai.domain.scheduler.placement import KeptSlots
+from hai.domain.scheduler.quota import KeptCharges
 from hai.domain.scheduler.victims import rank as _rank
 
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
@@ -189,8 +190,9 @@ class Level:
 
 
 class KeptQueue:
-    """The queue kept across cycles (see the module's text), and the cycle's node slots
-    (``slots``: ``placement.KeptSlots``). Pure data; one per caller."""
+    """The queue kept across cycles (see the module's text), the cycle's node slots (``slots``:
+    ``placement.KeptSlots``) and the running jobs' quota charges (``charges``:
+    ``quota.KeptCharges``). Pure data; one per caller."""
 
     def __init__(self) -> None:
         self._classes: tuple[float, ...] | None = None  # the class thresholds the order was built with
@@ -206,6 +208,8 @@ class KeptQueue:
         self.removed = 0  # jobs removed by the last sync
         # the cycle's node slots, kept for the next cycle (``placement.KeptSlots``)
         self.slots = KeptSlots()
+        # the running jobs' GPUs by quota bucket, kept for the next cycle (``quota.KeptCharges``)
+        self.charges = KeptCharges()
 
     def _reset(self, classes: tuple[float, ...] | None) -> None:
         self._classes = classes

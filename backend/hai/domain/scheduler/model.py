@@ -105,6 +105,23 @@ class QueueDelta:
 
 
 @dataclass(frozen=True)
+class RunningDelta:
+    """How a snapshot's running tuple differs from an earlier one (issue 12), as the caller that
+    built both knows it: ``running`` is ``base`` without the objects of ``left`` and with those
+    of ``came`` (each a job that started, or a new object for a job whose row or allocations
+    changed); every other job of ``running`` is the very object it was in ``base``. A promise,
+    not checked job by job, as ``QueueDelta`` is: what the cycle keeps about the running jobs
+    (``quota.KeptCharges``) is then updated in O(changes). It applies only to the very tuples
+    it names (``running is snapshot.running``, ``base`` the tuple the keeper last saw).
+    ``services.scheduling.ActiveCache`` builds one from the rows it read."""
+
+    base: tuple[RunningJob, ...]
+    running: tuple[RunningJob, ...]
+    came: tuple[RunningJob, ...]
+    left: tuple[RunningJob, ...]
+
+
+@dataclass(frozen=True)
 class Snapshot:
     nodes: tuple[NodeView, ...]
     running: tuple[RunningJob, ...] = ()
@@ -115,6 +132,8 @@ class Snapshot:
     # (optional) how ``queued`` differs from an earlier snapshot's queue (QueueDelta): not part
     # of what the snapshot says, only a hint that spares the kept queue its proof
     queue_delta: QueueDelta | None = field(default=None, compare=False, repr=False)
+    # (optional) how ``running`` differs from an earlier snapshot's (RunningDelta): a hint too
+    running_delta: RunningDelta | None = field(default=None, compare=False, repr=False)
 
 
 # The default service classes (issue 16): eight least-attained-service classes, x~3.2 apart, up to

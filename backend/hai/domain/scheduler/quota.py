@@ -17,9 +17,110 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hai.domain.jobs import Priority
-from hai.domain.scheduler.model import QueuedJob, Quota
+from hai.domain.scheduler.model import QueuedJob, Quota, RunningDelta, RunningJob
+from hai.domain.scheduler.victims import DEMOTED, RANK_BY_ID
+from hai.domain.scheduler.victims import rank as _rank
 
 _MISSING = object()
+_DEMOTED_RANK, _NORMAL_RANK = DEMOTED.rank, Priority.NORMAL.rank
+
+
+def _gpus(r: RunningJob) -> int:
+    allocs = r.allocations
+    return len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
+
+
+def _move(gu: dict, uu: dict | None, r: RunningJob, g: int, a: int, b: int) -> None:
+    """The job's ``g`` GPUs moved from its group's (and user's) bucket at rank ``a`` to rank ``b``."""
+    gu[(r.group, a)] -= g
+    gu[(r.group, b)] = gu.get((r.group, b), 0) + g
+    if uu is not None:
+        uu[(r.group, a, r.user)] -= g
+        uu[(r.group, b, r.user)] = uu.get((r.group, b, r.user), 0) + g
+
+
+class KeptCharges:
+    """The GPUs the running jobs of a snapshot hold at each (group, rank), and at each (group,
+    rank, user) once asked for, at each job's own priority (before the cycle's demotions), kept
+    by the caller from one cycle to the next (``KeptQueue.charges``; issue 12: summing every
+    running job each cycle was ~4 ms of a 10k cycle).
+
+    ``totals`` returns them for a snapshot's running tuple: as they are when it is the very
+    tuple of the last call (tuples and jobs are frozen); updated by the jobs that left and came
+    when the snapshot says how its tuple differs from that one (``model.RunningDelta``, the
+    caller's account); else summed over every job again. The dicts returned are the kept ones:
+    read, never changed, by the caller."""
+
+    def __init__(self) -> None:
+        self.running: tuple[RunningJob, ...] | None = None  # the tuple they count (held: its id is not reused)
+        self.group: dict[tuple[str, int], int] = {}
+        self.user: dict[tuple[str, int, str], int] | None = None  # None: not kept (no user had a cap)
+        self.sums = 0  # (for tests and benchmarks) full sums
+        self.accounts = 0  # (likewise) updates from the caller's account
+
+    def totals(
+        self, running: tuple[RunningJob, ...], delta: RunningDelta | None, users: bool, ranks: list[int],
+        demoted: list[int],
+    ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int, str], int] | None]:
+        """``ranks``: the effective rank of each job of ``running`` in this cycle, ``demoted``
+        the jobs (indices) this cycle demotes (their own rank is ABOVE_NORMAL): what a full sum
+        reads."""
+        if running is not self.running or (users and self.user is None):
+            if (
+                delta is not None
+                and self.running is not None
+                and delta.running is running
+                and delta.base is self.running
+                and (self.user is not None or not users)
+            ):
+                self._add(delta.left, -1)
+                self._add(delta.came, 1)
+                self.accounts += 1
+            else:
+                self._sum(running, users, ranks, demoted)
+                self.sums += 1
+            self.running = running
+        return self.group, self.user
+
+    def _sum(self, running: tuple[RunningJob, ...], users: bool, ranks: list[int], demoted: list[int]) -> None:
+        """Every job summed (at its effective rank, as ``QuotaBook.charge_all``, then the
+        demoted ones moved back to their own)."""
+        gu: dict[tuple[str, int], int] = {}
+        uu: dict[tuple[str, int, str], int] | None = {} if users else None
+        for r, rank in zip(running, ranks, strict=True):
+            allocs = r.allocations
+            gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
+            key = (r.group, rank)
+            gu[key] = gu.get(key, 0) + gpus
+            if uu is not None:
+                ukey = (r.group, rank, r.user)
+                uu[ukey] = uu.get(ukey, 0) + gpus
+        self.group, self.user = gu, uu
+        for i in demoted:  # kept at their own rank, not at the one they run at in this cycle
+            r = running[i]
+            _move(gu, uu, r, _gpus(r), _NORMAL_RANK, _DEMOTED_RANK)
+
+    def _add(self, jobs: tuple[RunningJob, ...], sign: int) -> None:
+        gu, uu = self.group, self.user
+        for r in jobs:
+            p = r.priority
+            rank = RANK_BY_ID.get(id(p))
+            if rank is None:  # a priority that is not one of the enum's members (a plain string)
+                rank = _rank(p)
+            g = sign * _gpus(r)
+            key = (r.group, rank)
+            left = gu.get(key, 0) + g
+            if left:
+                gu[key] = left
+            else:
+                gu.pop(key, None)
+            if uu is not None:
+                ukey = (r.group, rank, r.user)
+                left = uu.get(ukey, 0) + g
+                if left:
+                    uu[ukey] = left
+                else:
+                    uu.pop(ukey, None)
 
 
 class QuotaBook:
@@ -87,6 +188,29 @@ class QuotaBook:
             if users:
                 ukey = (r.group, rank, r.user)
                 uu[ukey] = uu.get(ukey, 0) + gpus
+        self.min_headroom = self._least_headroom()
+
+    def charge_kept(self, kept: KeptCharges, running: tuple[RunningJob, ...], delta: RunningDelta | None,
+                    ranks: list[int], demoted: list[int]) -> None:
+        """As ``charge_all(running, ranks)``, in a cycle whose demotions are the jobs of
+        ``demoted`` (indices into ``running``, each of them at ABOVE_NORMAL, now at NORMAL), from
+        the totals ``kept`` keeps across cycles (``KeptCharges``) instead of a pass over every
+        running job."""
+        if not self.enabled:
+            return
+        self._memo.clear()
+        users = bool(self.user_limit)
+        group, user = kept.totals(running, delta, users, ranks, demoted)
+        gu = self.group_used
+        for key, g in group.items():
+            gu[key] = gu.get(key, 0) + g
+        if users:
+            uu = self.user_used
+            for ukey, g in user.items():  # type: ignore[union-attr]
+                uu[ukey] = uu.get(ukey, 0) + g
+        for i in demoted:  # charged at their own priority: moved to the one they run at now
+            r = running[i]
+            _move(gu, uu if users else None, r, _gpus(r), _DEMOTED_RANK, _NORMAL_RANK)
         self.min_headroom = self._least_headroom()
 
     @property

@@ -89,6 +89,7 @@ class VictimFacts:
         self.ts_users: dict[int, dict[str, int]] = {}  # rank -> user -> jobs past the quantum
         self.pending_targets: dict[int, bool] = {}  # queued job id -> a job is suspending for it
         self.demotions: list[Demote] = []
+        self.demoted: list[int] = []  # the jobs of ``demotions`` (indices), in their order
         # the queued jobs' ids (membership only; the kept queue's id -> job map when there is one)
         self._queued_ids: dict[int, object] | None = queued_ids
         self._young: dict[int, int] | None = None
@@ -113,6 +114,7 @@ class VictimFacts:
                     ran = now - r.started_at
                     if ran >= demote_after:
                         self.demotions.append(Demote(r.id, Priority.NORMAL, demotion_sentence(ran, demote_after)))
+                        self.demoted.append(i)
                         eff[i] = _NORMAL_RANK
         self.min_eff = min(eff) if eff else None
         self.present_ranks = dict.fromkeys(eff)  # (explanations) ranks with a running job
