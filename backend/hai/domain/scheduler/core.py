@@ -235,10 +235,6 @@ class _Cycle:
     # reason written by the level (a switch for the test that compares it with writing it in
     # ``_time_share``; it never changes a decision)
     defer_early = True
-    # with a kept queue, the quota's charges come from the totals it keeps across cycles
-    # (``quota.KeptCharges``; a switch for the tests that compare them with a pass over every
-    # running job)
-    kept_charges = True
 
     def __init__(self, snapshot: Snapshot, policy: Policy, now: float, kept: KeptQueue | None = None):
         self.snap, self.policy, self.now = snapshot, policy, now
@@ -270,7 +266,7 @@ class _Cycle:
         )
         self.decisions.demotions = self.facts.demotions
         self.quota = QuotaBook(snapshot.quotas)  # everything holding GPUs counts, at its effective priority
-        if kept is not None and self.kept_charges:  # from the totals kept across cycles
+        if kept is not None:  # from the totals kept across cycles (``quota.KeptCharges``)
             self.quota.charge_kept(kept.charges, snapshot.running, snapshot.running_delta, self.facts.eff_rank,
                                    self.facts.demoted)
         else:
