@@ -49,10 +49,9 @@ _INF = float("inf")
 class Block:
     """A run of consecutive jobs of one level, in queue order, as parallel lists: the job, its
     id, its lane key (``KeptQueue._key``), when it was queued, its service class, and its sort
-    key (class, first submission, id). Queued times are an array of machine numbers (the lane
-    keys' pass reads contiguous memory, not one object per job, which in queue order lie
-    scattered); ids are the jobs' own int objects (the cycle's pending reasons are keyed by
-    runs of them: from an array each run made a new int object per job, 100,000 a cycle).
+    key (class, first submission, id). Ids and queued times are arrays of machine numbers (a
+    pass over them reads contiguous memory, not one object per job, which in queue order lie
+    scattered).
 
     ``lane_keys``: each job's key for the cycle's fast lane (its lane key, plus 1 when it waited
     past the threshold), kept from one cycle to the next: the threshold's time only moves on,
@@ -64,9 +63,9 @@ class Block:
 
     def __init__(self) -> None:
         self.jobs: list[QueuedJob] = []
-        self.ids: list[int] = []  # (the jobs' own ids: ``_Cycle._lane_misses`` keys reasons by them)
+        # ids and queued times as machine numbers: read without touching an object per job
+        self.ids = array("q")
         self.keys: list[int] = []
-        # queued times as machine numbers: read without touching an object per job
         self.qat = array("d")
         self.cls: list[int] = []
         self.sk: list[tuple[int, float, int]] = []
