@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,6 +144,42 @@ class StoppingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, as ``run_then`` takes it while the server runs."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def run_then(server: uvicorn.Server, cleanup: Callable[[], None]) -> None:
+    """``server.run()``, then ``cleanup()``, also when a service manager stops the process with
+    SIGTERM. uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done, so that
+    the process ends by the signal; with Python's default action for SIGTERM the process ended
+    right there, before any cleanup after ``run()`` (``hai dev`` left its agent processes
+    running, retrying a server that was gone). Here the re-raised signal ends ``run()`` as Ctrl-C
+    does, ``cleanup`` runs (a second SIGTERM meanwhile is ignored: the agents' stop is not cut
+    short), and the signal is raised again with the handler from before: the process still ends
+    by it."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminated) if main else None
+    terminated = False
+    try:
+        server.run()
+    except _Terminated:
+        terminated = True
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            cleanup()
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, before)
+    if terminated:
+        signal.raise_signal(signal.SIGTERM)
+
+
 def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", gpus_per_agent: int = 8) -> None:
     stack = DevStack(data_dir=data_dir, port=port, host=host, agents=agents, gpus_per_agent=gpus_per_agent)
     stack.prepare()
@@ -170,7 +207,4 @@ def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", 
         print(banner, flush=True)
 
     threading.Thread(target=_after_start, daemon=True).start()
-    try:
-        server.run()
-    finally:
-        stack.stop()
+    run_then(server, stack.stop)

@@ -70,11 +70,12 @@ def server(
     platform = Platform.from_settings(settings)
     _bootstrap(platform, topology)
     if workers == 1:
-        from hai.cli.dev import StoppingServer
+        from hai.cli.dev import StoppingServer, run_then
 
-        StoppingServer(uvicorn.Config(create_app(platform, tune_gc=True), host=host, port=port, log_level="info",
-                                      access_log=settings.http.access_log), platform).run()
-        platform.close()
+        # (the platform closed also on SIGTERM: ``run_then``)
+        run_then(StoppingServer(uvicorn.Config(create_app(platform, tune_gc=True), host=host, port=port,
+                                               log_level="info", access_log=settings.http.access_log), platform),
+                 platform.close)
         return
     if settings.database_url.startswith("sqlite") or not settings.redis.url:
         typer.echo("--workers above 1 needs HAI_DB__URL (PostgreSQL) and HAI_REDIS__URL: the worker processes "
