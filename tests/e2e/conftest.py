@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import httpx
 import pytest
@@ -134,23 +134,28 @@ def stack(tmp_path):
     stop_stack(s)
 
 
-def processes_with_env(key: str, value: str, *, within: Path | None = None) -> list[int]:
-    """PIDs of live processes whose environment holds key=value (reads /proc, like ps e) and,
-    with ``within``, some variable pointing under that folder (one stack's jobs, not another's)."""
-    needle = f"{key}={value}".encode()
-    marker = str(within).encode() if within is not None else b""
-    pids = []
+def live_processes(part: str) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, its /proc ``part``, "environ" or "cmdline", split at NULs) of every live process,
+    zombies left out (reads /proc, like ps e)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            env = (entry / "environ").read_bytes().split(b"\0")
+            fields = (entry / part).read_bytes().split(b"\0")
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if needle in env and ") Z " not in stat and (not marker or any(marker in v for v in env)):
-            pids.append(int(entry.name))
-    return pids
+        if ") Z " not in stat:
+            yield int(entry.name), fields
+
+
+def processes_with_env(key: str, value: str, *, within: Path | None = None) -> list[int]:
+    """PIDs of live processes whose environment holds key=value and, with ``within``, some
+    variable pointing under that folder (one stack's jobs, not another's)."""
+    needle = f"{key}={value}".encode()
+    marker = str(within).encode() if within is not None else b""
+    return [pid for pid, env in live_processes("environ")
+            if needle in env and (not marker or any(marker in v for v in env))]
 
 
 TERMINAL = {"succeeded", "failed", "cancelled"}

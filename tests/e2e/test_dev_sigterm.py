@@ -7,24 +7,13 @@ import os
 import signal
 from pathlib import Path
 
-from tests.e2e.conftest import start_stack, wait_for
+from tests.e2e.conftest import live_processes, start_stack, wait_for
 
 
 def _agents_of(data_dir: Path) -> list[int]:
     """Live agent processes of this stack (by their ``--state-dir`` under its data dir)."""
     marker = str(data_dir.resolve() / "agents").encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if b"agent" in argv and any(a.startswith(marker) for a in argv) and ") Z " not in stat:
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, argv in live_processes("cmdline") if b"agent" in argv and any(a.startswith(marker) for a in argv)]
 
 
 def test_sigterm_to_hai_dev_stops_its_agents_then_ends_it_by_the_signal(tmp_path):
