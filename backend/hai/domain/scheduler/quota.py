@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from hai.domain.jobs import Priority
 from hai.domain.scheduler.model import QueuedJob, Quota, RunningDelta, RunningJob
-from hai.domain.scheduler.victims import DEMOTED, RANK_BY_ID
+from hai.domain.scheduler.victims import DEMOTED
 from hai.domain.scheduler.victims import rank as _rank
 
 _MISSING = object()
@@ -28,6 +28,19 @@ _DEMOTED_RANK, _NORMAL_RANK = DEMOTED.rank, Priority.NORMAL.rank
 def _gpus(r: RunningJob) -> int:
     allocs = r.allocations
     return len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
+
+
+def _sum_into(gu: dict, uu: dict | None, running, ranks: list[int]) -> None:
+    """Each running job's GPUs (any sequence of RunningJob) added to its group's bucket at its
+    rank in ``ranks`` (and to its user's, with ``uu``)."""
+    for r, rank in zip(running, ranks, strict=True):
+        allocs = r.allocations
+        gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
+        key = (r.group, rank)
+        gu[key] = gu.get(key, 0) + gpus
+        if uu is not None:
+            ukey = (r.group, rank, r.user)
+            uu[ukey] = uu.get(ukey, 0) + gpus
 
 
 def _move(gu: dict, uu: dict | None, r: RunningJob, g: int, a: int, b: int) -> None:
@@ -87,14 +100,7 @@ class KeptCharges:
         demoted ones moved back to their own)."""
         gu: dict[tuple[str, int], int] = {}
         uu: dict[tuple[str, int, str], int] | None = {} if users else None
-        for r, rank in zip(running, ranks, strict=True):
-            allocs = r.allocations
-            gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
-            key = (r.group, rank)
-            gu[key] = gu.get(key, 0) + gpus
-            if uu is not None:
-                ukey = (r.group, rank, r.user)
-                uu[ukey] = uu.get(ukey, 0) + gpus
+        _sum_into(gu, uu, running, ranks)
         self.group, self.user = gu, uu
         for i in demoted:  # kept at their own rank, not at the one they run at in this cycle
             r = running[i]
@@ -103,10 +109,7 @@ class KeptCharges:
     def _add(self, jobs: tuple[RunningJob, ...], sign: int) -> None:
         gu, uu = self.group, self.user
         for r in jobs:
-            p = r.priority
-            rank = RANK_BY_ID.get(id(p))
-            if rank is None:  # a priority that is not one of the enum's members (a plain string)
-                rank = _rank(p)
+            rank = _rank(r.priority)
             g = sign * _gpus(r)
             key = (r.group, rank)
             left = gu.get(key, 0) + g
@@ -178,16 +181,7 @@ class QuotaBook:
         if not self.enabled:
             return
         self._memo.clear()
-        gu, uu = self.group_used, self.user_used
-        users = bool(self.user_limit)
-        for r, rank in zip(running, ranks, strict=True):
-            allocs = r.allocations
-            gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
-            key = (r.group, rank)
-            gu[key] = gu.get(key, 0) + gpus
-            if users:
-                ukey = (r.group, rank, r.user)
-                uu[ukey] = uu.get(ukey, 0) + gpus
+        _sum_into(self.group_used, self.user_used if self.user_limit else None, running, ranks)
         self.min_headroom = self._least_headroom()
 
     def charge_kept(self, kept: KeptCharges, running: tuple[RunningJob, ...], delta: RunningDelta | None,
