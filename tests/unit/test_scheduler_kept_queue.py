@@ -383,3 +383,53 @@ def test_the_kept_quota_charges_are_what_a_pass_over_every_running_job_charges_c
     assert kept.charges.user is not None and snap.quotas[-1].user is not None
     # the first cycle, the user's cap and the account of an unseen tuple summed; the rest updated
     assert (kept.charges.sums, kept.charges.accounts) == (3, 7)
+
+
+def _table_facts(c: _Cycle) -> tuple:
+    """What a cycle's victim table says about the running jobs' places."""
+    t = c.facts.table
+    return (t.holders, t.nodes_of, t.gpus, t.lost, t.held, t.pending_for, t.pending_mark, t._pairs)
+
+
+def test_the_kept_places_index_the_victim_table_as_the_jobs_allocations_do_cycle_after_cycle():
+    """The caller's ``KeptQueue`` also keeps where each running job runs (``KeptPlaces``, keyed by
+    the row object): in every cycle of a changing cluster (starts, suspensions, ends, jobs of
+    several nodes, checkpoints reported, which make a running row a new object with the same
+    job id, a node drained and back, which change the node layout, a cycle whose decisions were
+    lost) the victim table built from the kept places equals one built from the jobs'
+    allocations, and the cycle decides as from scratch. Entries of jobs that left are dropped
+    once they are many; another layout drops them all."""
+    rng = random.Random(9)
+    pol = Policy()
+    snap = build_snapshot(1000, 2000, 1500, 9)
+    assert any(len(r.allocations) > 1 for r in snap.running)  # jobs of several nodes
+    kept = KeptQueue()
+    now, next_id = NOW, 10_000_000
+    sizes = []
+    for k in range(9):
+        if k in (2, 5):  # checkpoints reported: new rows, same ids (the account no longer applies)
+            running = tuple(replace(r, last_checkpoint_at=now - 5.0) if i % 3 == 0 else r
+                            for i, r in enumerate(snap.running))
+            snap = replace(snap, running=running, running_delta=None)
+        if k == 3:  # a node drained (another layout; its job's allocation is on no indexed node)
+            drained = snap.running[0].allocations[0].node
+            snap = replace(snap, nodes=tuple(replace(n, schedulable=n.name != drained) for n in snap.nodes))
+        if k == 4:  # and back (the layout of before)
+            snap = replace(snap, nodes=tuple(replace(n, schedulable=True) for n in snap.nodes))
+        if k == 6:  # a cycle whose decisions are lost
+            assert _Cycle(snap, pol, now, kept).run().starts
+        got = _Cycle(snap, pol, now, kept)
+        full = _Cycle(snap, pol, now)
+        assert _table_facts(got) == _table_facts(full)
+        d = got.run()
+        assert canonical(d) == canonical(full.run())
+        # asked again, the kept places hold every indexed job's and, past the quarter, no more
+        known = kept.places.known(got.index, snap.running)
+        assert {id(snap.running[i]) for i in got.facts.members} <= known.keys()
+        sizes.append((len(known), len(snap.running)))
+        ends = 900 if k == 7 else 10  # many jobs end at once: their entries are dropped
+        snap, next_id = next_snapshot(snap, d, now, 60.0, rng, 20, ends, next_id)
+        now += 60.0
+    assert kept.places.cleared == 2  # the drained layout and the one of before
+    assert all(n <= r + r // 4 + 64 for n, r in sizes)
+    assert sizes[-1][0] < sizes[-2][0] * 3 // 4  # the entries of the jobs that ended went

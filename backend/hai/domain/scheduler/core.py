@@ -263,6 +263,7 @@ class _Cycle:
             self.index,
             self.levels[0][0] if self.levels else -1,
             kept.ids() if self._kept is not None else None,  # type: ignore[union-attr]
+            kept.places if kept is not None else None,
         )
         self.decisions.demotions = self.facts.demotions
         self.quota = QuotaBook(snapshot.quotas)  # everything holding GPUs counts, at its effective priority

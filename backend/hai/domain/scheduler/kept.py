@@ -39,6 +39,7 @@ from hai.domain.scheduler.model import Policy, QueueDelta, QueuedJob, Snapshot
 from hai.domain.scheduler.placement import KeptSlots
 from hai.domain.scheduler.quota import KeptCharges
 from hai.domain.scheduler.victims import rank as _rank
+from hai.domain.scheduler.victim_table import KeptPlaces
 
 _LANE_KEY = attrgetter("nodes", "gpus_per_node", "group", "user", "allow_cross_zone")
 _ID = attrgetter("id")
@@ -210,6 +211,8 @@ class KeptQueue:
         self.slots = KeptSlots()
         # the running jobs' GPUs by quota bucket, kept for the next cycle (``quota.KeptCharges``)
         self.charges = KeptCharges()
+        # where each running job runs, as the victim table reads it (``victim_table.KeptPlaces``)
+        self.places = KeptPlaces()
 
     def _reset(self, classes: tuple[float, ...] | None) -> None:
         self._classes = classes

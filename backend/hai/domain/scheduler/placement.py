@@ -230,6 +230,8 @@ class FreeIndex:
             leaf.size = size
         self.zone_leaves: list[list[int]] = lay.zone_leaves  # read-only
         self.zone_size = list(lay.zone_size)
+        self.leaf_of: list[int] = lay.slot_leaf  # slot ord -> its leaf's index (read-only)
+        self.layout: object = lay  # (identity only) the node layout the slots' ords index
         if kept is not None and kept.layout is lay and kept.views is views:  # (reused)
             slots, by_name, gpus = kept.slots, kept.by_name, kept.gpus
         else:

@@ -445,17 +445,18 @@ def _free_lazily(
             potential[li] = got
         return got
 
-    order = zone.order(rank, time_sharing)
-    n_order = len(order)
+    at = zone.order(rank, time_sharing).at  # the k-th cheapest node (None past the last)
+    nxt = at(0)
     pos = 0
     heap: list[tuple[int, float, int, int]] = []
     done: dict[int, bool] = {}
     chosen_mark: dict[int, bool] = {}
     while len(freed) < nodes:
         # every node not yet in the heap costs more (victims, lost) than the heap's least
-        while pos < n_order and (not heap or order[pos][:2] <= heap[0][:2]):
-            k, lo, o = order[pos]
+        while nxt is not None and (not heap or nxt[:2] <= heap[0][:2]):
+            k, lo, o = nxt
             pos += 1
+            nxt = at(pos)
             if check(entry_of[o]):
                 heapq.heappush(heap, (k, lo, -pot(slots[o].leaf_ix), o))
         if not heap:

@@ -22,7 +22,7 @@ from hai.domain.jobs import JobState, Priority
 from hai.domain.scheduler.explain import demotion_sentence
 from hai.domain.scheduler.model import Demote, Policy, QueuedJob, RunningJob, Snapshot
 from hai.domain.scheduler.placement import FreeIndex
-from hai.domain.scheduler.victim_table import RunningTable
+from hai.domain.scheduler.victim_table import KeptPlaces, RunningTable
 
 RANK_BY_ID = {id(p): p.rank for p in Priority}  # identity lookup: enum hashing is slow in a hot loop
 _NORMAL_RANK = Priority.NORMAL.rank
@@ -73,6 +73,7 @@ class VictimFacts:
         index: FreeIndex,
         max_queued_rank: int,
         queued_ids: dict[int, object] | None = None,
+        places: KeptPlaces | None = None,
     ):
         self.snap, self.policy, self.now, self.index = snapshot, policy, now, index
         running = snapshot.running
@@ -96,6 +97,7 @@ class VictimFacts:
         self._max_qrank = max_queued_rank
         self._facts_ts = self._facts_full = False
         self._table: RunningTable | None = None
+        self._places = places  # the running jobs' places kept by the caller (``victim_table.KeptPlaces``)
 
         suspending = JobState.SUSPENDING
         self.susp_mark = [False] * n  # suspending already (or asked to): never a victim again
@@ -226,6 +228,7 @@ class VictimFacts:
                 self.policy,
                 self.now,
                 self.index,
+                self._places,
             )
         return self._table
 
