@@ -395,7 +395,7 @@ def _free_lazily(
     slots = index.slots
     free_now: list[int] = []
     free_by_leaf: dict[int, int] = {}
-    for o in zone.idle:
+    for o in zone.free_idle(slots):  # (of ``zone.idle``, those that may be free now)
         slot = slots[o]
         if slot.gpus >= gpus_per_node and len(slot.free) == slot.gpus and usable(slot):
             free_now.append(o)

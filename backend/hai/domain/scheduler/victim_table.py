@@ -179,6 +179,17 @@ class ZoneClasses(NamedTuple):
     orders: dict[tuple[int, bool], SortedPairs]
     by_leaf: dict[int, list[FreeableNode]]  # leaf index -> its freeable nodes
     entry_of: dict[int, FreeableNode]  # node -> its entry in ``freeable``
+    idle_free: list[list[int] | None]  # (``free_idle``, filled on first use in the cycle)
+
+    def free_idle(self, slots: Sequence[NodeSlot]) -> list[int]:
+        """In node order: the ``idle`` nodes that had every GPU free when first asked in this
+        cycle; a superset of those free at any later ask (free GPUs only shrink during a cycle,
+        as ``RunningTable.idle_nodes``). Most nodes of no indexed job hold a job not past its
+        minimum runtime (~430 a zone at 10k nodes), and every plan looked at each of them."""
+        got = self.idle_free[0]
+        if got is None:
+            got = self.idle_free[0] = [o for o in self.idle if len(slots[o].free) == slots[o].gpus]
+        return got
 
     def order(self, rank: int, time_sharing: bool) -> SortedPairs:
         """The freeable nodes whose jobs a waiting job of ``rank`` may suspend by rank (every top
@@ -388,7 +399,7 @@ class RunningTable:
                     by_leaf[li] = [e]
                 else:
                     at.append(e)
-            got.append(ZoneClasses(idle, freeable, {}, by_leaf, dict(zip(map(_FIRST, freeable), freeable))))
+            got.append(ZoneClasses(idle, freeable, {}, by_leaf, dict(zip(map(_FIRST, freeable), freeable)), [None]))
             start += size
         self._zones = got
         return got
