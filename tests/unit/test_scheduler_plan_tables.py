@@ -212,7 +212,9 @@ def test_single_victim_plans_find_what_reading_every_pair_finds(monkeypatch, nam
 def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
     """``SortedPairs.fitting`` yields, in order, every pair whose node could hold the job now,
     also after free GPUs were taken between two reads (it skips a pair for good only when its
-    node failed, which stays failed in a cycle); a pair that fits is never left out."""
+    node failed, which stays failed in a cycle); a pair that fits is never left out. Read past
+    the first 64 pairs, the rest that fits is taken from the heap at once: the bucket itself
+    is never sorted whole by it, and several sizes read in turn, each partly, agree."""
     from hai.domain.scheduler.core import _Cycle
 
     snap = build_snapshot(320, 520, 2500, 4)
@@ -224,10 +226,13 @@ def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
     skipped = 0
     for _round in range(4):
         for g, bucket in singles.items():
+            every = sorted(bucket.unordered())  # (the order, without sorting the bucket)
             for gpus in (g + 1, 4, 8):
                 fits = lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus  # noqa: E731
+                if _round == 0:  # a plan that reads the first fitting pair only, and stops
+                    next(bucket.fitting(gpus, g, slots), None)
                 got = list(bucket.fitting(gpus, g, slots))
-                assert [e for e in got if fits(e)] == [e for e in list(bucket) if fits(e)]
+                assert [e for e in got if fits(e)] == [e for e in every if fits(e)]
                 assert got == sorted(got)
                 skipped += len(bucket) - len(got)
         # the cycle's starts take free GPUs: some nodes shrink
@@ -235,6 +240,13 @@ def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
         assert with_free
         for slot in rng.sample(with_free, min(40, len(with_free))):
             index.take(slot, rng.randint(1, len(slot.free)))
+    assert any(len(b) > 64 and b.heap for b in singles.values())  # read deep, never sorted whole
+    for g, bucket in singles.items():  # sorted whole after all (a full read), and read again
+        assert list(bucket) == sorted(bucket.unordered())
+        for gpus in (g + 1, 4, 8):
+            fits = lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus  # noqa: E731
+            got = list(bucket.fitting(gpus, g, slots))
+            assert [e for e in got if fits(e)] == [e for e in list(bucket) if fits(e)]
     assert skipped > 0  # pairs were skipped for good
 
 

@@ -139,28 +139,39 @@ class SortedPairs:
         fewer free than the job needs beyond the victim's. A node's free GPUs only shrink
         during a cycle, so a pair that failed once fails for the rest of it: each job size reads
         the order past such pairs once a cycle, not once a plan (a plan of 8 GPUs read every
-        pair of the 1-GPU victims, ~6,500 at 10k nodes, and found none that fit). The pairs
-        yielded are checked again by the caller (free GPUs may have shrunk since)."""
+        pair of the 1-GPU victims, ~6,500 at 10k nodes, and found none that fit). Read past the
+        first 64 pairs, the pairs still in the heap are checked all at once and only those that
+        fit are sorted (not every pair, for a job size few nodes can hold). The pairs yielded
+        are checked again by the caller (free GPUs may have shrunk since)."""
         got = self._fit.get(gpus)
         if got is None:
             got = self._fit[gpus] = [[], 0]
         keep: list[VictimOnNode] = got[0]
         need = gpus - victim_gpus
         k = 0
+        done, heap = self.done, self.heap
         while True:
             if k == len(keep):
                 p = got[1]
                 while True:
+                    if p >= len(done):
+                        if p >= len(done) + len(heap):
+                            break  # every pair read for this size
+                        if p >= 64:  # deep: the rest that fits, sorted (p == len(done) here)
+                            p = len(done) + len(heap)
+                            keep.extend(sorted([e for e in heap if slots[e[2]].gpus >= gpus and len(slots[e[2]].free) >= need]))
+                            break
                     e = self.at(p)
                     if e is None:
-                        got[1] = p
-                        return
+                        break
                     p += 1
                     slot = slots[e[2]]
                     if slot.gpus >= gpus and len(slot.free) >= need:
                         keep.append(e)
                         break
                 got[1] = p
+                if k == len(keep):
+                    return
             yield keep[k]
             k += 1
 
