@@ -252,13 +252,14 @@ class RunningTable:
         self.pending_mark = [False] * n
         by_name = index.by_name
         held = [0] * len(holders)  # GPUs held on each node by the indexed jobs
-        # every (job, node) pair of ``holders`` as parallel lists (for ``singles``); None when a
-        # job holds two allocations on one node (merged in ``holders``: rare, built from there)
-        pj: list[int] = []
-        pg: list[int] = []
-        po: list[int] = []
+        # every (job, node) pair of ``holders`` whose job is past its minimum runtime, as
+        # ``singles`` reads them (made here, in the pass over the jobs, not in a second pass);
+        # None when a job holds two allocations on one node (merged in ``holders``: rare,
+        # built from there)
+        pairs: list[VictimOnNode] = []
         pairs_ok = True
-        pj_add, pg_add, po_add = pj.append, pg.append, po.append
+        pair = pairs.append
+        min_ok = self.min_ok
         nodes_of, gpus, lost, pending_for = self.nodes_of, self.gpus, self.lost, self.pending_for
         # each job's place, read from the job object once and kept across cycles when the caller
         # keeps them (``KeptPlaces``): (job, GPUs, node ord or -1, its nodes, since, suspending for)
@@ -279,13 +280,15 @@ class RunningTable:
                 if known is not None:
                     known[id(j)] = e
             _j, g, o, nodes, t0, target = e
+            gpus[i] = g
+            since = now - t0
+            lo = lost[i] = g * since if since > 0.0 else 0.0  # (as g * max(0.0, since))
             if o >= 0:  # (most jobs: one allocation, on a node of the index)
                 held[o] += g
                 holders[o].append((i, g))
                 nodes_of[i] = nodes
-                pj_add(i)
-                pg_add(g)
-                po_add(o)
+                if min_ok[i]:
+                    pair((lo, g, o, j.id, i))
             else:
                 mine: list[int] = []
                 for a in j.allocations:
@@ -304,18 +307,14 @@ class RunningTable:
                         continue
                     holders[o].append((i, k))
                     mine.append(o)
-                    pj_add(i)
-                    pg_add(k)
-                    po_add(o)
+                    if min_ok[i]:
+                        pair((lo, k, o, j.id, i))
                 nodes_of[i] = tuple(mine)
-            gpus[i] = g
-            since = now - t0
-            lost[i] = g * since if since > 0.0 else 0.0  # (as g * max(0.0, since))
             if target is not None:
                 pending_for.setdefault(target, []).append(i)
                 self.pending_mark[i] = True
         self.held = held
-        self._pairs = (pj, pg, po) if pairs_ok else None
+        self._pairs: list[VictimOnNode] | None = pairs if pairs_ok else None
 
     def runtime(self, i: int) -> float:
         """How long job ``i`` has run (its explanation)."""
@@ -331,9 +330,7 @@ class RunningTable:
             jobs, min_ok, lost = self.jobs, self.min_ok, self.lost
             # each (job, node) pair once (no two pairs are equal: they differ by node or job)
             if self._pairs is not None:
-                pj, pg, po = self._pairs
-                # (a comprehension: on CPython 3.11 a third cheaper than the same in maps)
-                flat = [(lost[i], g, o, jobs[i].id, i) for i, g, o in zip(pj, pg, po) if min_ok[i]]
+                flat, self._pairs = self._pairs, None  # (made by the table's build; sorted below)
             else:
                 flat = []
                 for o, hs in enumerate(self.holders):
