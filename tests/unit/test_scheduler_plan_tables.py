@@ -224,11 +224,16 @@ def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
     rng = random.Random(4)
     singles = table.singles()
     skipped = 0
+
+    def fitting_now(gpus: int, g: int):  # noqa: ANN202
+        """Whether a pair's node could hold a job of ``gpus`` beside its victim of ``g`` now."""
+        return lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus
+
     for _round in range(4):
         for g, bucket in singles.items():
             every = sorted(bucket.unordered())  # (the order, without sorting the bucket)
             for gpus in (g + 1, 4, 8):
-                fits = lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus  # noqa: E731
+                fits = fitting_now(gpus, g)
                 if _round == 0:  # a plan that reads the first fitting pair only, and stops
                     next(bucket.fitting(gpus, g, slots), None)
                 got = list(bucket.fitting(gpus, g, slots))
@@ -244,7 +249,7 @@ def test_fitting_pairs_are_the_order_less_the_nodes_too_small_for_good():
     for g, bucket in singles.items():  # sorted whole after all (a full read), and read again
         assert list(bucket) == sorted(bucket.unordered())
         for gpus in (g + 1, 4, 8):
-            fits = lambda e: slots[e[2]].gpus >= gpus and len(slots[e[2]].free) + g >= gpus  # noqa: E731
+            fits = fitting_now(gpus, g)
             got = list(bucket.fitting(gpus, g, slots))
             assert [e for e in got if fits(e)] == [e for e in list(bucket) if fits(e)]
     assert skipped > 0  # pairs were skipped for good

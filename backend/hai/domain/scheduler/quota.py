@@ -34,7 +34,7 @@ def _sum_into(gu: dict, uu: dict | None, running, ranks: list[int]) -> None:
     """Each running job's GPUs (any sequence of RunningJob) added to its group's bucket at its
     rank in ``ranks`` (and to its user's, with ``uu``)."""
     for r, rank in zip(running, ranks, strict=True):
-        allocs = r.allocations
+        allocs = r.allocations  # (``_gpus`` inline: a call per running job in a full sum)
         gpus = len(allocs[0].gpus) if len(allocs) == 1 else sum(len(a.gpus) for a in allocs)
         key = (r.group, rank)
         gu[key] = gu.get(key, 0) + gpus

@@ -79,10 +79,10 @@ class KeptPlaces:
 
 
 class SortedPairs:
-    """(Possible victim, node) pairs (or any tuples) in their order (least first), sorted only as far as
-    they are read: iterating yields them in order, popping a heap on demand (a plan reads the
-    first few of ~20,000 pairs; sorting them all was most of ``singles``' cost). ``unordered``:
-    all of them in no particular order."""
+    """(Possible victim, node) pairs (or any tuples: a zone's order) in their order (least
+    first), sorted only as far as they are read: iterating yields them in order, popping a heap
+    on demand (a plan reads the first few of ~20,000 pairs; sorting them all was most of
+    ``singles``' cost). ``unordered``: all of them in no particular order."""
 
     __slots__ = ("done", "heap", "_fit")
 
