@@ -50,9 +50,11 @@ _INF = float("inf")
 class Block:
     """A run of consecutive jobs of one level, in queue order, as parallel lists: the job, its
     id, its lane key (``KeptQueue._key``), when it was queued, its service class, and its sort
-    key (class, first submission, id). Ids and queued times are arrays of machine numbers (a
-    pass over them reads contiguous memory, not one object per job, which in queue order lie
-    scattered).
+    key (class, first submission, id). Queued times are an array of machine numbers (a pass
+    over them reads contiguous memory, not one object per job, which in queue order lie
+    scattered); ids are a list of the jobs' own id objects: every cycle makes them the keys of
+    ~100,000 pending reasons, and an array made a new int object of each (a fifth of the
+    reasons' inserts).
 
     ``lane_keys``: each job's key for the cycle's fast lane (its lane key, plus 1 when it waited
     past the threshold), kept from one cycle to the next: the threshold's time only moves on,
@@ -64,9 +66,9 @@ class Block:
 
     def __init__(self) -> None:
         self.jobs: list[QueuedJob] = []
-        # ids and queued times as machine numbers: read without touching an object per job
-        self.ids = array("q")
+        self.ids: list[int] = []  # (the job objects' own ints: no new object per read)
         self.keys: list[int] = []
+        # queued times as machine numbers: read without touching an object per job
         self.qat = array("d")
         self.cls: list[int] = []
         self.sk: list[tuple[int, float, int]] = []
