@@ -37,7 +37,7 @@ from bisect import bisect_right
 from collections import deque
 from contextlib import contextmanager
 from itertools import chain, compress, repeat
-from operator import attrgetter, itemgetter, le, not_
+from operator import attrgetter, is_, itemgetter, le
 from typing import Iterable, Iterator
 
 from hai.domain.jobs import Priority
@@ -528,7 +528,10 @@ class _Cycle:
         of each key that the lane lacks (``_lane_predict``); the jobs between two such stops
         are looked up as one run (every lookup still checked: a job the lane turns out not to
         hold goes to the ladder like any miss). The stops are found again when the lane was
-        emptied (``_lane_gen``) or a run met an unexpected miss."""
+        emptied (``_lane_gen``) or a run met an unexpected miss. The prediction's own lookups
+        serve the runs: while the lane only grows, a key it held then maps to the very same
+        entry later (an entry is written only for a key the lane lacks), so only the jobs whose
+        key it lacked then are looked up again (a run holding one is looked up whole)."""
         lane_get = lane.get
         for bi, b in enumerate(lv.blocks):
             jobs, ids, cls = b.jobs, b.ids, b.cls
@@ -537,13 +540,17 @@ class _Cycle:
             stops = specials.get(bi, [])
             i = 0
             plan: list[int] | None = None
-            pi = gen = 0
+            pi = gen = base = 0
+            entries: list = []
             while i < n:
                 if plan is None or gen != self._lane_gen:
-                    plan, pi, gen = self._lane_predict(ek, i, lane, stops, n), 0, self._lane_gen
+                    plan, entries = self._lane_predict(ek, i, lane, stops, n)
+                    pi, gen, base = 0, self._lane_gen, i
                 stop = plan[pi]
                 if i < stop:  # a run of hits, as predicted
-                    hits = list(map(lane_get, ek[i:stop]))
+                    hits = entries[i - base : stop - base]  # (the lane's entries when predicted)
+                    if None in hits:  # a key the lane lacked then: look the run up now
+                        hits = list(map(lane_get, ek[i:stop]))
                     # (a run is nearly always all hits: ``index`` raising for it cost ~1 us a run)
                     k = hits.index(None) if None in hits else stop - i
                     if k:
@@ -568,10 +575,12 @@ class _Cycle:
                     pi += 1
 
     @staticmethod
-    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> list[int]:
+    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> tuple[list[int], list]:
         """The positions from ``i`` on where the lane will miss while it only grows (the first
-        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``."""
-        lacking = compress(range(i, n), map(not_, map(lane.__contains__, ek[i:n])))
+        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``; and
+        the lane's entry (None: none) for each job from ``i`` on, as the lane holds them now."""
+        entries = list(map(lane.get, ek[i:n]))
+        lacking = compress(range(i, n), map(is_, entries, repeat(None)))
         seen: set[int] = set()
         out: list[int] = []
         for p in lacking:
@@ -582,7 +591,7 @@ class _Cycle:
         if stops:
             out = sorted(set(out).union(p for p in stops if p >= i))
         out.append(n)
-        return out
+        return out, entries
 
     def _lane_state(self) -> tuple[int, ...]:
         """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""
