@@ -540,19 +540,24 @@ class _Cycle:
             stops = specials.get(bi, [])
             i = 0
             plan: list[int] | None = None
-            pi = gen = base = 0
+            pi = gen = base = di = 0
             entries: list = []
+            lacked: list[int] = []
             while i < n:
                 if plan is None or gen != self._lane_gen:
-                    plan, entries = self._lane_predict(ek, i, lane, stops, n)
-                    pi, gen, base = 0, self._lane_gen, i
+                    plan, entries, lacked = self._lane_predict(ek, i, lane, stops, n)
+                    pi, gen, base, di = 0, self._lane_gen, i, 0
                 stop = plan[pi]
                 if i < stop:  # a run of hits, as predicted
                     hits = entries[i - base : stop - base]  # (the lane's entries when predicted)
-                    if None in hits:  # a key the lane lacked then: look the run up now
+                    while di < len(lacked) and lacked[di] < i:
+                        di += 1
+                    if di < len(lacked) and lacked[di] < stop:  # a key the lane lacked then: look the run up now
                         hits = list(map(lane_get, ek[i:stop]))
-                    # (a run is nearly always all hits: ``index`` raising for it cost ~1 us a run)
-                    k = hits.index(None) if None in hits else stop - i
+                        # (nearly always all hits: ``index`` raising for it cost ~1 us a run)
+                        k = hits.index(None) if None in hits else stop - i
+                    else:  # (not searched for None: a pass over ~100,000 entries a cycle)
+                        k = stop - i
                     if k:
                         m = i + k
                         if k < len(hits):
@@ -575,23 +580,27 @@ class _Cycle:
                     pi += 1
 
     @staticmethod
-    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> tuple[list[int], list]:
+    def _lane_predict(ek: list[int], i: int, lane: dict, stops: list[int], n: int) -> tuple[list[int], list, list[int]]:
         """The positions from ``i`` on where the lane will miss while it only grows (the first
-        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``; and
-        the lane's entry (None: none) for each job from ``i`` on, as the lane holds them now."""
+        job of each key it lacks now) and the ``stops`` from ``i`` on, sorted, then ``n``; the
+        lane's entry (None: none) for each job from ``i`` on, as the lane holds them now; and,
+        in order, the other positions whose key it lacks now (their entries are None)."""
         entries = list(map(lane.get, ek[i:n]))
         lacking = compress(range(i, n), map(is_, entries, repeat(None)))
         seen: set[int] = set()
         out: list[int] = []
+        lacked: list[int] = []
         for p in lacking:
             k = ek[p]
             if k not in seen:
                 seen.add(k)
                 out.append(p)
+            else:
+                lacked.append(p)
         if stops:
             out = sorted(set(out).union(p for p in stops if p >= i))
         out.append(n)
-        return out, entries
+        return out, entries, lacked
 
     def _lane_state(self) -> tuple[int, ...]:
         """What the fast lane's outcomes depend on beyond the job (see ``_nominate_level``)."""
