@@ -234,3 +234,54 @@ def test_the_waiting_job_is_told_which_jobs_are_kept_and_why(knobs, note, cap):
         assert "keep their GPUs" not in reason
     else:
         assert reason.endswith(note), reason
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"service_protect_wait_factor": 0.5},
+        {"service_quantum_factor": 2.0, "service_quantum_min_class": 2},
+        {"service_quantum_factor": 1.0, "service_protect_wait_factor": 1.0},
+    ],
+)
+def test_the_kept_jobs_counted_by_the_victim_facts_are_those_of_the_scan(knobs):
+    # The victim facts' full pass counts the jobs a knob keeps (``VictimFacts.knob_kept``), so
+    # that the waiting jobs' notes need no pass of their own over the running jobs; the counts
+    # must be the scan's (``_las_scan``), job for job: young jobs, multi-node jobs, suspending
+    # jobs, jobs of class 0 and jobs of every class kept by either knob or not.
+    import random
+
+    from hai.domain.scheduler.core import _Cycle
+
+    rng = random.Random(7)
+    pol = policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, **knobs)
+    c = cluster().zone("A", leaves=6, nodes_per_leaf=8)
+    c.queue(job("waiting").priority("HIGH").submitted(NOW - 5))
+    for k in range(4):  # two whole nodes each, past every threshold: never counted
+        c.run(job(f"m{k}").gpus(8).on(f"A-l4-n{2 * k}").on(f"A-l4-n{2 * k + 1}")
+              .submitted(NOW - 200_000).started(NOW - 40_000).attained(400_000.0))
+    for k in range(8):  # one GPU for 5 minutes past a 1-minute minimum: class 0, never counted
+        c.run(job(f"s{k}").gpus(1).on(f"A-l5-n{k}").submitted(NOW - 20_000).started(NOW - 300).min_runtime(60.0))
+    for k in range(32):
+        node = f"A-l{k // 8}-n{k % 8}"
+        for half in (0, 1):
+            b = (job(f"r{k}-{half}").user(f"u{k % 5}").on(node, tuple(range(4 * half, 4 * half + 4))).gpus(4)
+                 .submitted(NOW - rng.choice((1_000, 20_000, 200_000)))
+                 .started(NOW - rng.choice((300, 2_000, 9_000, 40_000)))
+                 .attained(rng.choice((0.0, 900.0, 5_000.0, 60_000.0, 400_000.0))))
+            if rng.random() < 0.1:
+                b = b.suspending_for("waiting")
+            elif rng.random() < 0.1:
+                b = b.min_runtime(rng.choice((60.0, 20_000.0)))
+            c.run(b)
+    snap = c.snapshot()
+    cyc = _Cycle(snap, pol, NOW, None)
+    cyc.facts.ensure(full=True)
+    counted = cyc.facts.knob_kept
+    assert counted is not None and sum(counted) >= 5 and len([k for k in counted if k]) >= 2, counted
+    cyc._las_scan(victims=False)
+    assert counted == cyc._las_kept
+    # and no count where the policy has no such knob
+    bare = _Cycle(snap, policy(service_classes_gpu_s=CLASSES, min_runtime_s=900, service_protect_wait_factor=0.0), NOW, None)
+    bare.facts.ensure(full=True)
+    assert bare.facts.knob_kept is None

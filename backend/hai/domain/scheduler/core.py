@@ -835,7 +835,9 @@ class _Cycle:
         """One-node jobs in classes above ``c`` that a knob keeps on their GPUs (they would
         otherwise be suspended for a job of class ``c``)."""
         if self._las_kept is None:
-            self._las_scan(victims=False)  # the counts only: no victim lists unless preemption asks
+            self._las_kept = self.facts.knob_kept  # (counted by the facts' full pass, when it ran)
+            if self._las_kept is None:
+                self._las_scan(victims=False)  # the counts only: no victim lists unless preemption asks
         k = sum(self._las_kept[c + 1 :])
         if not k:
             return ""

@@ -98,6 +98,10 @@ class VictimFacts:
         self._facts_ts = self._facts_full = False
         self._table: RunningTable | None = None
         self._places = places  # the running jobs' places kept by the caller (``victim_table.KeptPlaces``)
+        # per service class: the one-node jobs past their minimum runtime that a least-attained-
+        # service knob keeps on their GPUs (as ``core._Cycle._las_scan`` counts them), counted by
+        # the full pass of ``ensure`` when the policy has such knobs; None: not counted
+        self.knob_kept: list[int] | None = None
 
         suspending = JobState.SUSPENDING
         self.susp_mark = [False] * n  # suspending already (or asked to): never a victim again
@@ -146,12 +150,29 @@ class VictimFacts:
         already = self._facts_ts  # time-sharing facts were filled in before: do not count twice
         min_pr = self.min_preemptible_rank
         kept = pol.service_protect_time_sharing and pol.service_classes_gpu_s
+        # the knobs' kept jobs counted in the same pass (``knob_kept``; its own pass over the
+        # running jobs, ``core._Cycle._las_scan``, cost ~5% of a 10k cycle)
+        th = pol.service_classes_gpu_s
+        qf, qmc, pwf = pol.service_quantum_factor, pol.service_quantum_min_class, pol.service_protect_wait_factor
+        knobs = full and bool(th) and bool(qf or pwf)
+        knob_kept = [0] * (len(th) + 1) if knobs else None
+        th0 = th[0] if th else 0.0
         for i in cands:
             r = running[i]
             ran = now - r.started_at
             mr = r.min_runtime_s
             if ran < (min_rt if mr is None else mr):
                 continue
+            if knobs:  # as ``core._Cycle._las_scan`` (its expressions, for the same floats)
+                allocs = r.allocations
+                if len(allocs) == 1:
+                    g = len(allocs[0].gpus)
+                    a0 = r.attained_gpu_s
+                    attained = a0 + ran * g
+                    if qf and ran < qf * a0 / (g if g > 1 else 1) and (not qmc or bisect_right(th, attained) >= qmc):
+                        knob_kept[bisect_right(th, attained)] += 1  # type: ignore[index]
+                    elif attained >= th0 and pwf and (now - r.first_submitted_at) * g >= (1.0 + pwf) * attained:
+                        knob_kept[bisect_right(th, attained)] += 1  # type: ignore[index]
             rank_ = eff[i]
             if min_pr is None or rank_ < min_pr:
                 min_pr = rank_
@@ -173,6 +194,7 @@ class VictimFacts:
         self._facts_ts = True
         if full:
             self._facts_full = True
+            self.knob_kept = knob_kept
 
     def could_preempt(self, job: QueuedJob, time_sharing: bool) -> bool:
         """Cheap test: is there any running job that could be a victim of this job?"""
