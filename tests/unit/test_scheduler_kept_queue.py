@@ -391,6 +391,39 @@ def _table_facts(c: _Cycle) -> tuple:
     return (t.holders, t.nodes_of, t.gpus, t.lost, t.held, t.pending_for, t.pending_mark, t._pairs)
 
 
+def test_a_job_of_several_nodes_is_indexed_by_its_gpus_on_each_node_with_or_without_kept_places():
+    """A running job's place on several nodes (``_Place``: its nodes, its GPUs on each): two
+    allocations on one node count as one holder of their GPUs together, a node outside the
+    index is left out, and the table reads the same from a kept place as from the job."""
+    from scheduler_builders import cluster, job
+
+    c = cluster().zone("A", leaves=1, nodes_per_leaf=4)
+    c.run(job("m").gpus(2).on("A-l0-n0", (0, 1)).on("A-l0-n1", (0, 1)).on("A-l0-n0", (2, 3))
+          .on("A-l0-n3", (0, 1)).started(NOW - 7200))
+    c.run(job("one").gpus(4).on("A-l0-n0", (4, 5, 6, 7)).started(NOW - 3600))
+    c.unschedulable("A-l0-n3")  # (outside the index)
+    c.queue(job("w").priority("HIGH").gpus(8).submitted(NOW - 5))
+    snap = c.snapshot()
+    kept = KeptQueue()
+    for k in range(2):  # the first cycle makes the places, the second reads them
+        cyc = _Cycle(snap, Policy(), NOW, kept if k else None)
+        ids = [r.id for r in snap.running]
+        m, one = ids.index(c.id_of("m")), ids.index(c.id_of("one"))
+        t = cyc.facts.table
+        n0, n1 = (cyc.index.by_name[n].ord for n in ("A-l0-n0", "A-l0-n1"))
+        assert sorted(t.holders[n0]) == sorted([(m, 4), (one, 4)]) and t.holders[n1] == [(m, 2)]
+        assert t.held[n0] == 8 and t.held[n1] == 2
+        assert t.nodes_of[m] == (n0, n1) and t.gpus[m] == 8
+        assert t._pairs is None  # two allocations on one node: the pairs are made from the holders
+        singles = t.singles()
+        assert sorted((p[1], p[2], p[4]) for g in singles for p in singles[g].unordered()) == sorted(
+            [(4, n0, m), (2, n1, m), (4, n0, one)])
+        if k:
+            assert id(snap.running[m]) in kept.places.of
+        else:
+            _Cycle(snap, Policy(), NOW, kept).facts.table  # (the places made)
+
+
 def test_the_kept_places_index_the_victim_table_as_the_jobs_allocations_do_cycle_after_cycle():
     """The caller's ``KeptQueue`` also keeps where each running job runs (``KeptPlaces``, keyed by
     the row object): in every cycle of a changing cluster (starts, suspensions, ends, jobs of

@@ -40,11 +40,13 @@ GPU-seconds together, the highest effective rank among them, the highest rank am
 past the quantum (-1: none)."""
 
 
-_Place = tuple[RunningJob, int, int, tuple[int, ...], float, "int | None"]
+_Place = tuple[RunningJob, int, int, tuple[int, ...], float, "int | None", "tuple[tuple[int, int], ...]", bool]
 """Where a running job runs, as the victim table reads it: (the job, its GPUs, the ord of its
-one node or -1 (several allocations, or a node outside the index: read from the job each
-cycle), (that ord,), when its lost work began (last checkpoint, else start), the queued job it
-suspends for or None). The job is held so that its id is not reused while the entry lives."""
+one node or -1 (several allocations, or a node outside the index), its nodes' ords (in the order
+of its allocations, each once; those outside the index left out), when its lost work began
+(last checkpoint, else start), the queued job it suspends for or None, and for -1 its GPUs on
+each of those nodes as (ord, GPUs) (two allocations on one node summed), and whether it had two
+allocations on one node). The job is held so that its id is not reused while the entry lives."""
 
 
 class KeptPlaces:
@@ -147,7 +149,7 @@ class SortedPairs:
                             break  # every pair read for this size
                         if p >= 64:  # deep: the rest that fits, sorted (p == len(done) here)
                             p = len(done) + len(heap)
-                            keep.extend(sorted([e for e in heap if slots[e[2]].gpus >= gpus and len(slots[e[2]].free) >= need]))
+                            keep.extend(sorted([e for e in heap if (s := slots[e[2]]).gpus >= gpus and len(s.free) >= need]))
                             break
                     e = self.at(p)
                     if e is None:
@@ -274,12 +276,18 @@ class RunningTable:
                 t0 = j.started_at if ckpt is None else ckpt
                 slot = by_name.get(allocs[0].node) if len(allocs) == 1 else None
                 if slot is not None:
-                    e = (j, len(allocs[0].gpus), slot.ord, (slot.ord,), t0, j.suspend_requested_for)
-                else:
-                    e = (j, sum([len(a.gpus) for a in allocs]), -1, (), t0, j.suspend_requested_for)
+                    e = (j, len(allocs[0].gpus), slot.ord, (slot.ord,), t0, j.suspend_requested_for, (), False)
+                else:  # several allocations (or a node outside the index): GPUs per node, summed
+                    on: dict[int, int] = {}
+                    for a in allocs:
+                        slot = by_name.get(a.node)
+                        if slot is not None:
+                            on[slot.ord] = on.get(slot.ord, 0) + len(a.gpus)
+                    e = (j, sum([len(a.gpus) for a in allocs]), -1, tuple(on), t0, j.suspend_requested_for,
+                         tuple(on.items()), len(on) < len([a for a in allocs if a.node in by_name]))
                 if known is not None:
                     known[id(j)] = e
-            _j, g, o, nodes, t0, target = e
+            _j, g, o, nodes, t0, target, per_node, twice = e
             gpus[i] = g
             since = now - t0
             lo = lost[i] = g * since if since > 0.0 else 0.0  # (as g * max(0.0, since))
@@ -289,27 +297,15 @@ class RunningTable:
                 nodes_of[i] = nodes
                 if min_ok[i]:
                     pair((lo, g, o, j.id, i))
-            else:
-                mine: list[int] = []
-                for a in j.allocations:
-                    k = len(a.gpus)
-                    slot = by_name.get(a.node)
-                    if slot is None:
-                        continue
-                    o = slot.ord
+            else:  # several nodes: the GPUs on each, read with the place
+                for o, k in per_node:
                     held[o] += k
-                    if o in mine:  # two allocations on one node: merge
-                        hs = holders[o]
-                        for x, (hi, hk) in enumerate(hs):
-                            if hi == i:
-                                hs[x] = (i, hk + k)
-                        pairs_ok = False
-                        continue
                     holders[o].append((i, k))
-                    mine.append(o)
                     if min_ok[i]:
                         pair((lo, k, o, j.id, i))
-                nodes_of[i] = tuple(mine)
+                nodes_of[i] = nodes
+                if twice:  # two allocations on one node: ``singles`` makes the pairs from ``holders``
+                    pairs_ok = False
             if target is not None:
                 pending_for.setdefault(target, []).append(i)
                 self.pending_mark[i] = True
