@@ -84,13 +84,14 @@ class SortedPairs:
     """(Possible victim, node) pairs (or any tuples: a zone's order) in their order (least
     first), sorted only as far as they are read: iterating yields them in order, popping a heap
     on demand (a plan reads the first few of ~20,000 pairs; sorting them all was most of
-    ``singles``' cost). ``unordered``: all of them in no particular order."""
+    ``singles``' cost), made a heap on the first read (a 10k cycle reads 5 of its 6: the sixth,
+    ~5,500 pairs, was heapified for nothing). ``unordered``: all of them in no particular order."""
 
-    __slots__ = ("done", "heap", "_fit")
+    __slots__ = ("done", "heap", "_fit", "_heaped")
 
     def __init__(self, pairs: list[VictimOnNode]):
-        heapq.heapify(pairs)
         self.heap = pairs
+        self._heaped = False  # ``heap`` made a heap (``at``, on its first pop)
         self.done: list[VictimOnNode] = []  # the least ones, in order
         # a job's GPUs -> [the pairs read so far whose node could hold it beside the victim, in
         # order; how many pairs of the order were read for it] (``fitting``)
@@ -120,6 +121,9 @@ class SortedPairs:
                 done.extend(heap)
                 heap.clear()
             else:
+                if not self._heaped:
+                    heapq.heapify(heap)
+                    self._heaped = True
                 done.append(heapq.heappop(heap))
         return done[k]
 
