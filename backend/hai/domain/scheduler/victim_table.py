@@ -283,12 +283,15 @@ class RunningTable:
                     e = (j, len(allocs[0].gpus), slot.ord, (slot.ord,), t0, j.suspend_requested_for, (), False)
                 else:  # several allocations (or a node outside the index): GPUs per node, summed
                     on: dict[int, int] = {}
+                    g = n_in = 0
                     for a in allocs:
+                        k = len(a.gpus)
+                        g += k
                         slot = by_name.get(a.node)
                         if slot is not None:
-                            on[slot.ord] = on.get(slot.ord, 0) + len(a.gpus)
-                    e = (j, sum([len(a.gpus) for a in allocs]), -1, tuple(on), t0, j.suspend_requested_for,
-                         tuple(on.items()), len(on) < len([a for a in allocs if a.node in by_name]))
+                            n_in += 1
+                            on[slot.ord] = on.get(slot.ord, 0) + k
+                    e = (j, g, -1, tuple(on), t0, j.suspend_requested_for, tuple(on.items()), len(on) < n_in)
                 if known is not None:
                     known[id(j)] = e
             _j, g, o, nodes, t0, target, per_node, twice = e
