@@ -38,59 +38,65 @@ def _decide_without_lane(snap, pol, now, monkeypatch):
         return schedule(snap, pol, now)
 
 
-def test_a_lane_reason_is_recomputed_after_a_start_fills_the_quota_bucket(monkeypatch):
-    # group g may hold 9 GPUs at NORMAL and holds 8: "a1" (2 GPUs) is blocked, "b" (1 GPU)
-    # starts and fills the bucket, "a2" (a1's user and shape) must see the bucket as it is now
+def _bucket_of_nine():
+    """Group g may hold 9 GPUs at NORMAL and holds 8 (one running job)."""
     c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
     c.run(job("r").group("g").user("x").started(NOW - 3600))
     c.quota("g", "NORMAL", 9)
+    return c
+
+
+def _queue_a_b_a_a(c, t: float) -> None:
+    """"a1" (2 GPUs) then "b" (1 GPU) then "a2", "a3" (a1's user and shape), from time ``t``."""
     c.queue(
-        job("a1").group("g").user("u").gpus(2).submitted(0),
-        job("b").group("g").user("v").gpus(1).submitted(1),
-        job("a2").group("g").user("u").gpus(2).submitted(2),
-        job("a3").group("g").user("u").gpus(2).submitted(3),
+        job("a1").group("g").user("u").gpus(2).submitted(t),
+        job("b").group("g").user("v").gpus(1).submitted(t + 1),
+        job("a2").group("g").user("u").gpus(2).submitted(t + 2),
+        job("a3").group("g").user("u").gpus(2).submitted(t + 3),
     )
-    snap = c.snapshot()
-    d = schedule(snap, policy(), NOW)
+
+
+def _assert_b_filled_the_bucket(c, d) -> None:
     assert [s.job_id for s in d.starts] == [c.id_of("b")]
     assert d.pending_reasons[c.id_of("a1")] == "group g at NORMAL uses 8 of 9 GPUs; this job needs 2"
     assert d.pending_reasons[c.id_of("a2")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
     assert d.pending_reasons[c.id_of("a3")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
+
+
+def test_a_lane_reason_is_recomputed_after_a_start_fills_the_quota_bucket(monkeypatch):
+    # "a1" is blocked by the bucket, "b" starts and fills it, "a2" must see the bucket as it is now
+    c = _bucket_of_nine()
+    _queue_a_b_a_a(c, 0)
+    snap = c.snapshot()
+    d = schedule(snap, policy(), NOW)
+    _assert_b_filled_the_bucket(c, d)
     assert d == _decide_without_lane(snap, policy(), NOW, monkeypatch)
 
 
 def test_a_kept_level_decides_afresh_after_the_lane_is_emptied_in_a_later_block(monkeypatch):
     # The same quota bucket as above, on the kept queue (``_lane_misses``), its level in two
     # blocks: "a0" leaves the 8-of-9 reason in the lane at the end of the first block, so the
-    # second block starts with that key held; "b" starts there and the lane is emptied. "a2" and "a3" must be
-    # decided against the bucket as it is then (9 of 9), not from the lane's entries as they
-    # were read before "b" (the runs reuse the lookups made when their misses were predicted).
+    # second block starts with that key held; "b" starts there and the lane is emptied. "a2"
+    # and "a3" must be decided against the bucket as it is then (9 of 9), not from the lane's
+    # entries as they were read before "b" (the runs reuse the lookups made when their misses
+    # were predicted).
     from hai.domain.scheduler import KeptQueue
     from hai.domain.scheduler.kept import _SPLIT
 
-    c = cluster().zone("A", leaves=1, nodes_per_leaf=2)
-    c.run(job("r").group("g").user("x").started(NOW - 3600))
-    c.quota("g", "NORMAL", 9)
+    c = _bucket_of_nine()
     # the first block: jobs of two whole nodes, which the busy node never leaves (the first
     # one's placement failure is a new memo: the lane is emptied), then "a0"
     c.queue(*(job(f"f{i}").group("h").user("w").nodes(2).submitted(i) for i in range(_SPLIT // 2 - 1)))
     c.queue(job("a0").group("g").user("u").gpus(2).submitted(4000))
-    c.queue(
-        job("a1").group("g").user("u").gpus(2).submitted(5000),
-        job("b").group("g").user("v").gpus(1).submitted(5001),
-        job("a2").group("g").user("u").gpus(2).submitted(5002),
-        job("a3").group("g").user("u").gpus(2).submitted(5003),
-    )
+    _queue_a_b_a_a(c, 5000)
     snap = c.snapshot()
     kept = KeptQueue()
     d = schedule(snap, policy(), NOW, kept=kept)
     (level,) = kept.sync(snap, policy())
-    assert len(level.blocks) == 2 and [j.id for j in level.blocks[1].jobs[:4]] == [c.id_of(n) for n in ("a1", "b", "a2", "a3")]
-    assert [s.job_id for s in d.starts] == [c.id_of("b")]
+    assert len(level.blocks) == 2
+    assert [j.id for j in level.blocks[1].jobs[:4]] == [c.id_of(n) for n in ("a1", "b", "a2", "a3")]
     assert d.pending_reasons[c.id_of("a0")] == "group g at NORMAL uses 8 of 9 GPUs; this job needs 2"
-    assert d.pending_reasons[c.id_of("a1")] == "group g at NORMAL uses 8 of 9 GPUs; this job needs 2"
-    assert d.pending_reasons[c.id_of("a2")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
-    assert d.pending_reasons[c.id_of("a3")] == "group g at NORMAL uses 9 of 9 GPUs; this job needs 2"
+    _assert_b_filled_the_bucket(c, d)
     without = _decide_without_lane(snap, policy(), NOW, monkeypatch)
     assert decision_hash.canonical(d) == decision_hash.canonical(without)
     assert list(d.pending_reasons.items()) == list(without.pending_reasons.items())
