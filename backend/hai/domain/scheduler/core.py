@@ -549,14 +549,14 @@ class _Cycle:
                     pi, gen, base, di = 0, self._lane_gen, i, 0
                 stop = plan[pi]
                 if i < stop:  # a run of hits, as predicted
-                    hits = entries[i - base : stop - base]  # (the lane's entries when predicted)
                     while di < len(lacked) and lacked[di] < i:
                         di += 1
                     if di < len(lacked) and lacked[di] < stop:  # a key the lane lacked then: look the run up now
                         hits = list(map(lane_get, ek[i:stop]))
                         # (nearly always all hits: ``index`` raising for it cost ~1 us a run)
                         k = hits.index(None) if None in hits else stop - i
-                    else:  # (not searched for None: a pass over ~100,000 entries a cycle)
+                    else:  # the lane's entries when predicted, all hits (not searched for None)
+                        hits = entries[i - base : stop - base]
                         k = stop - i
                     if k:
                         m = i + k
