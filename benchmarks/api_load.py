@@ -34,6 +34,7 @@ figures are written every second (``Churn``).
 
     python benchmarks/api_load.py [--jobs 1000] [--queued 0 10000] [--only postgresql pgbouncer sqlite slurm]
                                   [--reads] [--churn RATE] [--profile DIR] [--out benchmarks/results/api_load.json]
+    python benchmarks/api_load.py --rounds 3 [...]   # Slurm and the platform alternated 3 times: the median ratio
 
 PostgreSQL: HAI_TEST_DATABASE_URL (its schema is dropped and re-created: use a database of your
 own); Redis: HAI_TEST_REDIS_URL.
@@ -826,6 +827,35 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None, chu
     return out
 
 
+def alternated(args: argparse.Namespace) -> dict:
+    """``--rounds N``: Slurm's submission cases, then the platform's, N times, then Slurm's once
+    more. A shared VM's speed moves by minutes (slurmrestd's rate moved 2x between two runs three
+    minutes apart), so each round's platform case is compared with the mean of the Slurm runs
+    just before and just after it, and the median of the N rounds' ratios is reported."""
+    slurms = [slurm_case(args.jobs)]
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        print(f"  round {r + 1} of {args.rounds}", flush=True)
+        rounds.append({kind: [hai_case(kind, q, args.jobs, args.profile) for q in args.queued]
+                       for kind in KINDS if kind in args.only})
+        print("  slurm      again:", flush=True)
+        slurms.append(slurm_case(args.jobs))
+    per_round: dict[str, list[float]] = {}
+    for r, got in enumerate(rounds):
+        slurm = slurm_mean(slurms[r], slurms[r + 1])
+        for kind, cases in got.items():
+            for case in cases:
+                for c in (1, 8):
+                    per_round.setdefault(f"{kind}_q{case['queued_before']}_c{c}", []).append(round(
+                        case[f"in_flight_{c}"]["jobs_per_s"] / slurm[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2))
+    medians = {k: round(statistics.median(v), 2) for k, v in per_round.items()}
+    for k, v in per_round.items():
+        print(f"  ratio to slurmrestd (same in-flight; each round to the Slurm runs either side) {k}: "
+              f"median {medians[k]:.2f}x, rounds {', '.join(f'{x:.2f}' for x in v)}")
+    return {"rounds": args.rounds, "slurm_runs": slurms, "platform_rounds": rounds,
+            "ratio_rounds": per_round, "ratio_to_slurmrestd": medians}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=1000, help="submissions per case")
@@ -846,15 +876,22 @@ def main() -> None:
         "written every second); 0: a still cluster"))
     ap.add_argument("--profile", type=Path, help="py-spy record the server workers and the scheduler into DIR")
     ap.add_argument("--profile-rate", type=int, default=PROFILE_RATE, help="py-spy's samples a second")
+    ap.add_argument("--rounds", type=int, default=1, help=(
+        "N > 1: Slurm's cases and the platform's alternated N times (Slurm, the platform, Slurm, ..., Slurm), "
+        "each round's ratio to the mean of the Slurm runs on either side of it; the median ratio reported"))
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "api_load.json")
     args = ap.parse_args()
+    if args.rounds > 1 and not ("slurm" in args.only and slurm_installed() and any(k in args.only for k in KINDS)):
+        ap.error("--rounds N > 1 alternates Slurm with the platform: it needs Slurm installed and both in --only")
     if args.profile:
         globals()["PROFILE_RATE"] = args.profile_rate
         args.profile.mkdir(parents=True, exist_ok=True)
     results: dict = {"cores": CORES, "load_before": loadavg(), "jobs_per_case": args.jobs,
                      "note": "shared VM: 2 cores, 8 engineers; load average next to every figure"}
     print(f"api_load: {args.jobs} submissions per case, {CORES} cores, load {loadavg()} (shared VM)", flush=True)
-    if not args.reads_only:
+    if not args.reads_only and args.rounds > 1:
+        results.update(alternated(args))
+    elif not args.reads_only:
         if "slurm" in args.only:
             results["slurm"] = slurm_case(args.jobs, batch=args.batch) if slurm_installed() else None
         for kind in KINDS:
