@@ -883,6 +883,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds > 1 and not ("slurm" in args.only and slurm_installed() and any(k in args.only for k in KINDS)):
         ap.error("--rounds N > 1 alternates Slurm with the platform: it needs Slurm installed and both in --only")
+    if args.rounds > 1 and (args.batch or args.reads or args.reads_only):
+        ap.error("--rounds N > 1 alternates single submissions only: not with --batch, --reads or --reads-only")
     if args.profile:
         globals()["PROFILE_RATE"] = args.profile_rate
         args.profile.mkdir(parents=True, exist_ok=True)
