@@ -3,6 +3,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from sqlalchemy import DateTime, MetaData, TypeDecorator
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.orm import DeclarativeBase
 
 NAMING = {
@@ -41,3 +43,24 @@ class Base(DeclarativeBase):
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+class Unlikely(FunctionElement):
+    """A condition that holds for few rows of its table, said so to SQLite's planner
+    (``unlikely(X)``); the condition as it is on other databases, whose statistics tell it. Once
+    ANALYZE has run over a deep queue or a long history, SQLite's statistics give a job state
+    value thousands of rows, and its planner scanned the whole jobs table for the few active
+    jobs instead of searching ix_jobs_state_id (issue 12: 3 ms at 10,000 jobs, 17 ms at 50,000)."""
+
+    name = "unlikely"  # (untyped, as ``func.unlikely``: a Boolean would compare it with 1 on SQLite)
+    inherit_cache = True
+
+
+@compiles(Unlikely)
+def _condition(element: Unlikely, compiler, **kw) -> str:  # noqa: ANN001
+    return compiler.process(element.clauses, **kw)
+
+
+@compiles(Unlikely, "sqlite")
+def _unlikely(element: Unlikely, compiler, **kw) -> str:  # noqa: ANN001
+    return f"unlikely({compiler.process(element.clauses, **kw)})"

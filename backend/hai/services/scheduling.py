@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Integer, Row, Text, and_, any_, bindparam, ca
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from hai.db.base import utcnow
+from hai.db.base import Unlikely, utcnow
 from hai.db.models import GpuHold, Job, JobAllocation, JobChangeCounter, Node, Quota, UserUsage
 from hai.domain import scheduler as sched
 from hai.domain.jobs import ACTIVE_STATES, JobState, Priority
@@ -144,6 +144,9 @@ def load_snapshot(session: Session, *, now: datetime, lost_after_s: float) -> sc
 
 
 _ACTIVE_VALUES = tuple(s.value for s in ACTIVE_STATES)
+# the active jobs, few beside the queue and the history: SQLite's planner told so (``Unlikely``;
+# tests/api/test_sqlite_cycle_plans.py)
+_ACTIVE_JOBS = Unlikely(Job.state.in_(_ACTIVE_VALUES))
 # (id, row version) of every active job and allocation: two integers a row, read through the
 # driver's own cursor (20,000 rows in ~5 ms of CPU, against ~55 ms for the allocations' full rows)
 _ACTIVE_JOB_VERSIONS = "SELECT id, xmin::text::bigint FROM jobs WHERE state = ANY(%s)"
@@ -551,12 +554,7 @@ def _load(
             select(*_JOB_COLUMNS).where(Job.state.in_([s.value for s in ACTIVE_STATES] + [JobState.QUEUED.value]))
         )
     else:
-        # SQLite: ``unlikely``, because the active jobs are few beside the queue and the history.
-        # Once ANALYZE has run over a deep queue (an operator's, ``PRAGMA optimize``'s, the
-        # benchmarks' seeding), its statistics say half the table a state, and the planner chose
-        # to scan the whole table for them: 3-4 ms a cycle at 10,000 queued, growing with the
-        # queue (0.3 ms through ix_jobs_state_id; tests/api/test_sqlite_cycle_plans.py)
-        rows = conn.execute(select(*_JOB_COLUMNS).where(func.unlikely(Job.state.in_(_ACTIVE_VALUES))))
+        rows = conn.execute(select(*_JOB_COLUMNS).where(_ACTIVE_JOBS))
     running: list[sched.RunningJob] = []
     queued: list[sched.QueuedJob] = []
     current = Shown()
@@ -892,7 +890,6 @@ def _quiet(session: Session, counts: tuple[int, int] | None = None) -> _Quiet | 
     its input is the GPUs each user's active jobs hold, read here without the snapshot (issue
     14's profile: ~95 cycles after the placement, with an empty queue, each loading every node,
     allocation and job). Two small queries instead of the snapshot's three large ones."""
-    active = [s.value for s in ACTIVE_STATES]
     queued, demotable = counts if counts is not None else _queued_and_demotable(session)
     if queued or demotable:
         return None
@@ -905,7 +902,7 @@ def _quiet(session: Session, counts: tuple[int, int] | None = None) -> _Quiet | 
         .outerjoin(JobAllocation, and_(JobAllocation.job_id == Job.id, JobAllocation.attempt == Job.attempt,
                                        JobAllocation.active))
         .outerjoin(Node, Node.name == JobAllocation.node_name)
-        .where(Job.state.in_(active))
+        .where(_ACTIVE_JOBS)
     ):
         jobs.add(job_id)
         n = 0
