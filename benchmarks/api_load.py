@@ -827,6 +827,14 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None, chu
     return out
 
 
+def ratios_to(slurm: dict, cases_by_kind: dict[str, list[dict]]) -> dict[str, float]:
+    """Each platform case's jobs/s over slurmrestd's at the same number in flight (1 and 8), keyed
+    ``<kind>_q<queued before>_c<in flight>``."""
+    return {f"{kind}_q{case['queued_before']}_c{c}": round(
+                case[f"in_flight_{c}"]["jobs_per_s"] / slurm[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2)
+            for kind, cases in cases_by_kind.items() for case in cases for c in (1, 8)}
+
+
 def alternated(args: argparse.Namespace) -> dict:
     """``--rounds N``: Slurm's submission cases, then the platform's, N times, then Slurm's once
     more. A shared VM's speed moves by minutes (slurmrestd's rate moved 2x between two runs three
@@ -842,12 +850,8 @@ def alternated(args: argparse.Namespace) -> dict:
         slurms.append(slurm_case(args.jobs))
     per_round: dict[str, list[float]] = {}
     for r, got in enumerate(rounds):
-        slurm = slurm_mean(slurms[r], slurms[r + 1])
-        for kind, cases in got.items():
-            for case in cases:
-                for c in (1, 8):
-                    per_round.setdefault(f"{kind}_q{case['queued_before']}_c{c}", []).append(round(
-                        case[f"in_flight_{c}"]["jobs_per_s"] / slurm[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2))
+        for k, v in ratios_to(slurm_mean(slurms[r], slurms[r + 1]), got).items():
+            per_round.setdefault(k, []).append(v)
     medians = {k: round(statistics.median(v), 2) for k, v in per_round.items()}
     for k, v in per_round.items():
         print(f"  ratio to slurmrestd (same in-flight; each round to the Slurm runs either side) {k}: "
@@ -909,13 +913,7 @@ def main() -> None:
             slurm = slurm_mean(slurm, again)
             results["slurm_mean"] = {k: v["jobs_per_s"] for k, v in slurm.items() if isinstance(v, dict)}
         if slurm:
-            ratios = {}
-            for kind in KINDS:
-                for case in results.get(kind, []):
-                    for c in (1, 8):
-                        ratios[f"{kind}_q{case['queued_before']}_c{c}"] = round(
-                            case[f"in_flight_{c}"]["jobs_per_s"] / slurm[f"slurmrestd_in_flight_{c}"]["jobs_per_s"], 2)
-            results["ratio_to_slurmrestd"] = ratios
+            results["ratio_to_slurmrestd"] = ratios = ratios_to(slurm, {k: results[k] for k in KINDS if k in results})
             for k, v in ratios.items():
                 print(f"  ratio to slurmrestd (same in-flight; the mean of its two runs) {k}: {v:.2f}x")
             if args.batch > 1:  # a batch of B against a Slurm job array of B tasks, same in-flight
