@@ -113,10 +113,14 @@ def wait_quiet(busy_below: float = 0.25, max_s: float = 60.0) -> dict:
     return {"waited_s": round(time.perf_counter() - t0, 1), "busy_share": round(share, 2)}
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.2):  # noqa: ANN001, ANN201
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2, procs: Procs | None = None):  # noqa: ANN001, ANN201
+    """Poll ``pred`` until it holds. ``procs``: stop at once, with the log's last lines, when one of
+    the processes it started has exited (a server that refused its settings is not waited for)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:
+        if procs is not None:
+            procs.check(what)
         try:
             value = pred()
             if value:
@@ -132,6 +136,7 @@ class Procs:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # pid -> the log it writes
         self.stops: list = []  # other things to stop after the processes (a PgBouncer), last first
 
     def start(self, cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
@@ -139,7 +144,18 @@ class Procs:
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                              cwd=str(REPO))
         self.procs.append(p)
+        if log:
+            self.logs[p.pid] = log
         return p
+
+    def check(self, what: str) -> None:
+        """Raise when a process started here has exited, with the last lines of its log."""
+        for p in self.procs:
+            if p.poll() is not None:
+                log = self.logs.get(p.pid)
+                tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
+                raise RuntimeError(f"waiting for {what}: {' '.join(map(str, p.args[-4:]))!r} exited with code "
+                                   f"{p.returncode}" + (":\n  " + "\n  ".join(tail) if tail else ""))
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -388,7 +404,12 @@ def pg_urls() -> tuple[str, str]:
     url = os.environ.get("HAI_TEST_DATABASE_URL", "")
     if not url.startswith("postgresql"):
         raise SystemExit("set HAI_TEST_DATABASE_URL to a PostgreSQL database of your own (its schema is dropped)")
-    return url, os.environ.get("HAI_TEST_REDIS_URL", "")
+    redis_url = os.environ.get("HAI_TEST_REDIS_URL", "")
+    if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+        # (``hai server --workers 2`` refuses to start without Redis: its workers wake each other through it)
+        raise SystemExit("set HAI_TEST_REDIS_URL to a Redis database of your own, e.g. redis://127.0.0.1:6379/12 "
+                         "(the production layout's workers wake each other through it)")
+    return url, redis_url
 
 
 # the submitter's queued jobs stay counted against a limit (the check is part of every submission's
@@ -422,7 +443,7 @@ def production(work: Path, queued: int, workers: int, procs: Procs, pgbouncer: b
                          log=work / "server.log")
     sched = procs.start(HAI + ["scheduler"], env=env, log=work / "scheduler.log")
     base = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server")
+    wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server", procs=procs)
     layout = [("node-01", "A", "A1"), ("node-02", "A", "A2"), ("node-03", "B", "B1"), ("node-04", "B", "B2")]
     for node, zone, leaf in layout:
         procs.start(HAI + ["agent", "--server", base, "--token", agent_token, "--node", node, "--zone", zone,
@@ -472,7 +493,7 @@ def hai_case(kind: str, queued: int, n: int, profile: Path | None, batch: int = 
             ctx = (production(work, queued, CORES, procs, pgbouncer=kind == "pgbouncer")
                    if kind in ("postgresql", "pgbouncer") else embedded(work, queued, procs))
             with ctx as (base, token, pids):
-                wait_for(lambda: nodes_ready(base, token, 4), 180, "4 ready nodes")
+                wait_for(lambda: nodes_ready(base, token, 4), 180, "4 ready nodes", procs=procs)
                 headers = {"Authorization": f"Bearer {token}"}
 
                 def client() -> httpx.Client:
@@ -803,7 +824,8 @@ def reads_case(n_jobs: int, n_nodes: int, repeat: int, profile: Path | None, chu
             # no scheduler and no agents: the seeded nodes would go 'lost' after 30 s without
             # heartbeats and the reaper would requeue their 10,000 running jobs mid-measurement
             base = f"http://127.0.0.1:{port}"
-            wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server")
+            wait_for(lambda: httpx.get(base + "/healthz", timeout=2).status_code == 200, 300, "hai server",
+                     procs=procs)
             spies = []
             if profile is not None:
                 spies = profile_pids([server.pid] + children(server.pid), profile, procs, "reads")
