@@ -136,23 +136,25 @@ class Procs:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
-        self.logs: dict[int, Path] = {}  # pid -> the log it writes
+        self.logs: dict[int, Path | None] = {}  # pid of a watched process -> the log it writes
         self.stops: list = []  # other things to stop after the processes (a PgBouncer), last first
 
-    def start(self, cmd: list[str], *, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    def start(self, cmd: list[str], *, env: dict | None = None, log: Path | None = None,
+              watched: bool = True) -> subprocess.Popen:
+        """``watched``: ``check`` fails when it has exited (not for a profiler, stopped mid-run)."""
         out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         p = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                              cwd=str(REPO))
         self.procs.append(p)
-        if log:
+        if watched:
             self.logs[p.pid] = log
         return p
 
     def check(self, what: str) -> None:
         """Raise when a process started here has exited, with the last lines of its log."""
         for p in self.procs:
-            if p.poll() is not None:
-                log = self.logs.get(p.pid)
+            if p.pid in self.logs and p.poll() is not None:
+                log = self.logs[p.pid]
                 tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log and log.exists() else []
                 raise RuntimeError(f"waiting for {what}: {' '.join(map(str, p.args[-4:]))!r} exited with code "
                                    f"{p.returncode}" + (":\n  " + "\n  ".join(tail) if tail else ""))
@@ -375,7 +377,7 @@ def profile_pids(pids: list[int], out: Path, procs: Procs, name: str) -> list[su
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     return [procs.start([spy, "record", "--pid", str(pid), "--rate", str(PROFILE_RATE), "--gil", "--format", "speedscope",
                          "-o", str(out / f"{name}-{pid}.speedscope.json"), "--nonblocking"],
-                        log=out / f"{name}-{pid}.log") for pid in pids]
+                        log=out / f"{name}-{pid}.log", watched=False) for pid in pids]
 
 
 def stop_profiles(spies: list[subprocess.Popen]) -> None:
