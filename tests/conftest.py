@@ -27,15 +27,18 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @contextmanager
 def uvicorn_thread(app, **config) -> Iterator[str]:  # noqa: ANN001, ANN003
     """``app`` served by a real uvicorn server in a thread on a free port of 127.0.0.1 (its
-    own logging, HTTP/1.1, keep-alive: what ``TestClient`` leaves out); yields its URL once it
-    listens and stops it afterwards."""
+    own logging, HTTP/1.1, keep-alive: what ``TestClient`` leaves out), with the platform's HTTP
+    protocol unless ``http`` says otherwise; yields its URL once it listens and stops it
+    afterwards."""
     import uvicorn
 
     from hai.agent.testing import wait_for
+    from hai.api.http_protocol import HTTP_PROTOCOL
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    config.setdefault("http", HTTP_PROTOCOL)  # what ``hai server`` and ``hai dev`` serve with
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from hai.api.http_protocol import HTTP_PROTOCOL
 from hai.db.migrate import upgrade
 from hai.main import create_app
 from hai.services import auth
@@ -185,7 +186,7 @@ def run_dev(*, port: int, agents: int, data_dir: Path, host: str = "127.0.0.1", 
     stack.prepare()
     assert stack.platform is not None
     app = create_app(stack.platform, tune_gc=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=HTTP_PROTOCOL)
     server = StoppingServer(config, stack.platform)
     started = threading.Event()
 

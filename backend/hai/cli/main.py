@@ -62,6 +62,7 @@ def server(
     """Run the API server (production: HAI_DB__URL, HAI_REDIS__URL)."""
     import uvicorn
 
+    from hai.api.http_protocol import HTTP_PROTOCOL
     from hai.main import create_app
     from hai.services.context import Platform
 
@@ -74,7 +75,8 @@ def server(
 
         # (the platform closed also on SIGTERM: ``run_then``)
         run_then(StoppingServer(uvicorn.Config(create_app(platform, tune_gc=True), host=host, port=port,
-                                               log_level="info", access_log=settings.http.access_log), platform),
+                                               log_level="info", access_log=settings.http.access_log,
+                                               http=HTTP_PROTOCOL), platform),
                  platform.close)
         return
     if settings.database_url.startswith("sqlite") or not settings.redis.url:
@@ -89,7 +91,8 @@ def server(
     # a worker that is slow to answer the supervisor's ping (a loaded host) is not dead: 60 s, not 5;
     # keep-alive 75 s: agents reuse their connection every heartbeat (uvicorn closes idle ones after 5 s)
     uvicorn.run("hai.main:server_app", factory=True, workers=workers, host=host, port=port, log_level="info",
-                access_log=settings.http.access_log, timeout_worker_healthcheck=60, timeout_keep_alive=75)
+                access_log=settings.http.access_log, timeout_worker_healthcheck=60, timeout_keep_alive=75,
+                http=HTTP_PROTOCOL)
 
 
 def _bootstrap(platform, topology: Path | None) -> None:  # noqa: ANN001
