@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from api_load import (BODY, HAI, Procs, free_port, loadavg, post_load, reset_postgres, seed_nodes,  # noqa: E402
+from api_load import (BODY, HAI, Procs, free_port, loadavg, pg_urls, post_load, reset_postgres, seed_nodes,  # noqa: E402
                       seed_users, wait_for)
 
 from hai.settings import Settings  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
         "requests at once (threads, each its own keep-alive connection; without --idempotency): those that "
         "arrive while a group is written are written together"))
     args = ap.parse_args()
-    url, redis_url = os.environ["HAI_TEST_DATABASE_URL"], os.environ.get("HAI_TEST_REDIS_URL", "")
+    url, redis_url = pg_urls()  # (a clear exit without them)
     procs = Procs()
     with tempfile.TemporaryDirectory(prefix="hai-submit-cpu-") as tmp:
         work = Path(tmp)

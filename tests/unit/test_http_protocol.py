@@ -11,7 +11,7 @@ import socket
 import httpx
 import pytest
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -60,8 +60,11 @@ def _app() -> tuple[Starlette, dict]:
         state["release"].set()
         return JSONResponse({})
 
-    return Starlette(routes=[Route("/job", job, methods=["POST"]), Route("/stream", stream),
-                             Route("/release", release, methods=["POST"])]), state
+    async def empty(request):  # noqa: ANN001, ANN202
+        return Response(status_code=204)
+
+    return Starlette(routes=[Route("/job", job, methods=["GET", "HEAD", "POST"]), Route("/stream", stream),
+                             Route("/release", release, methods=["POST"]), Route("/empty", empty, methods=["DELETE"])]), state
 
 
 @pytest.mark.parametrize(("protocol", "writes_per_response"), [(CoalescingHttpToolsProtocol, 1), (HttpToolsProtocol, 2)])
@@ -91,6 +94,22 @@ def test_a_streamed_answer_has_its_head_sent_before_its_first_chunk_exists():
             assert writes and writes[0].startswith(b"HTTP/1.1 200 ")
             assert other.post("/release").status_code == 200
             assert b"".join(r.iter_bytes()) == b"data: first\n\n"
+
+
+def test_answers_without_a_body_are_sent_whole_on_a_kept_alive_connection():
+    """A HEAD answer (a length, no body written) and a 204: the held head is sent when the
+    response completes, not when the next request comes or the idle connection is closed (each
+    would time out otherwise: the connection is kept well past the client's timeout)."""
+    writes: list[bytes] = []
+    app, _ = _app()
+    with uvicorn_thread(app, http=_counting(CoalescingHttpToolsProtocol, writes), log_level="warning",
+                        timeout_keep_alive=60) as url, \
+            httpx.Client(base_url=url, timeout=5) as c:
+        head = c.head("/job")
+        assert head.status_code == 201 and int(head.headers["content-length"]) > 0 and head.content == b""
+        assert c.delete("/empty").status_code == 204
+        assert c.get("/job").json()["state"] == "queued"
+    assert len(writes) == 3
 
 
 def test_a_connection_closed_after_its_answer_gets_the_whole_answer():
