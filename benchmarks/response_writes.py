@@ -111,9 +111,9 @@ def main() -> None:
             print(f"  {name:8s} {r}", file=sys.stderr, flush=True)
     out = {"requests": args.requests, "rounds": args.rounds, "body_bytes": len(BODY), "runs": runs,
            "median": {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}}
-    print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

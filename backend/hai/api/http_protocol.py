@@ -25,11 +25,12 @@ class CoalescingTransport:
     """A transport that holds the head of a response with a length (``content-length``: its body
     comes whole, in the next write) and hands it to the real one with that write."""
 
-    __slots__ = ("_transport", "_held")
+    __slots__ = ("_transport", "_held", "is_closing")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport
         self._held: bytes | None = None  # a response's head, waiting for its body
+        self.is_closing = transport.is_closing  # (asked after every response: not through __getattr__)
 
     def write(self, data: bytes) -> None:
         held = self._held
@@ -48,7 +49,7 @@ class CoalescingTransport:
     def flush(self) -> None:
         """Send a held head now (its response is complete: a HEAD request's, or an empty body's)."""
         held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
+        if held is not None and not self.is_closing():
             self._transport.write(held)
 
     def get_write_buffer_size(self) -> int:
