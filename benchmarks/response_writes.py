@@ -23,13 +23,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent / "backend"))
+sys.path.insert(0, str(ROOT))
+
+from api_load import cpu_s, wait_for  # noqa: E402
 
 BODY = json.dumps({"id": 123456, "state": "queued", "priority": "normal", "user": "bench", "gpus": 1,
                    "pending_reason": "waiting for the scheduler", "queue_position": None,
                    "command": "sleep 1", "submitted_at": "2026-12-07T21:00:00.000000Z"}).encode()
 PROTOCOLS = {"uvicorn": "uvicorn.protocols.http.httptools_impl:HttpToolsProtocol",
              "hai": "hai.api.http_protocol:CoalescingHttpToolsProtocol"}
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 async def app(scope, receive, send):  # noqa: ANN001, ANN201
@@ -39,11 +41,6 @@ async def app(scope, receive, send):  # noqa: ANN001, ANN201
     await send({"type": "http.response.start", "status": 201,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]})
     await send({"type": "http.response.body", "body": BODY})
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def serve(protocol: str, sock: socket.socket) -> None:
@@ -65,15 +62,7 @@ def measure(protocol: str, n: int) -> dict:
             os._exit(0)
     sock.close()
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                c = socket.create_connection(("127.0.0.1", port), timeout=10)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        c = wait_for(lambda: socket.create_connection(("127.0.0.1", port), timeout=10), 30, "the server", interval=0.05)
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         request = f"POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 2\r\n\r\n{{}}".encode()
 
@@ -87,9 +76,9 @@ def measure(protocol: str, n: int) -> dict:
 
         for _ in range(500):  # warm-up
             one()
-        s0, c0, t0 = cpu_s(pid), time.process_time(), time.perf_counter()
+        s0, c0, t0 = cpu_s([pid]), time.process_time(), time.perf_counter()
         reads = sum(one() for _ in range(n))
-        wall, client, server = time.perf_counter() - t0, time.process_time() - c0, cpu_s(pid) - s0
+        wall, client, server = time.perf_counter() - t0, time.process_time() - c0, cpu_s([pid]) - s0
         c.close()
     finally:
         os.kill(pid, 9)

@@ -87,6 +87,6 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super().on_response_complete()
 
 
-# the ``http`` argument of uvicorn's Config for ``hai server`` and ``hai dev``: uvicorn's own
-# choice ("auto": httptools when installed, else h11) where httptools is missing
+# the ``http`` argument of uvicorn's Config for ``hai server`` and ``hai dev`` (httptools comes with
+# uvicorn[standard], a dependency of the package)
 HTTP_PROTOCOL = "hai.api.http_protocol:CoalescingHttpToolsProtocol"
