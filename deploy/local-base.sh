@@ -13,7 +13,7 @@
 # debootstrap (minutes) runs once per machine; the .deb files are kept in
 # ${HAI_BASE_CACHE:-/var/cache/hai-base} so even that first run downloads them once.
 set -euo pipefail
-BUILDAH=(buildah ${BUILDAH_OPTS:---storage-driver vfs})
+BUILDAH=(buildah $("$(dirname "$0")/buildah-storage.sh"))  # overlay where it mounts, else vfs
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=${HAI_BASE_CACHE:-/var/cache/hai-base}
 NODE_VERSION=$(node --version 2>/dev/null || true)

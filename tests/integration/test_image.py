@@ -2,7 +2,8 @@
 the test PostgreSQL, `hai server` answering /healthz.
 
 Built with `make image`'s script (deploy/build-image.sh): here that is buildah without a daemon
-(`--isolation chroot`, vfs storage) on base images made from Debian's packages
+(`--isolation chroot`; overlay storage where the kernel mounts it, else vfs, as
+deploy/buildah-storage.sh decides for the build) on base images made from Debian's packages
 (deploy/local-base.sh), because no image registry is reachable. The bases are made once per
 machine and kept in buildah's storage; the image's layers are cached there too, so a build after
 a code change re-runs only the steps below the change. The image is tagged per checkout, so two
@@ -11,6 +12,7 @@ checkouts on one machine never build over each other's tag.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -29,9 +31,15 @@ from tests.integration.installed import REPO, free_port, tail, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
-BUILDAH = ["buildah", "--storage-driver", "vfs"]
 ISOLATION = ["--isolation", "chroot"]
 IMAGE = "localhost/hai-platform:test-" + hashlib.sha256(str(REPO).encode()).hexdigest()[:10]
+
+
+@functools.cache
+def buildah() -> list[str]:
+    """buildah with the storage options the build script uses (the image lives in that store)."""
+    opts = subprocess.run([str(REPO / "deploy" / "buildah-storage.sh")], capture_output=True, text=True, check=True)
+    return ["buildah", *opts.stdout.split()]
 
 
 def test_the_dockerfile_parses_into_the_three_stages_on_base_image_arguments():
@@ -47,10 +55,10 @@ def _buildah_usable() -> str | None:
     """None when buildah can build and run here, else the reason (its own error)."""
     if shutil.which("buildah") is None:
         return "buildah is not installed (.ci/run installs it: apt-get install buildah)"
-    out = subprocess.run([*BUILDAH, "from", "scratch"], capture_output=True, text=True)
+    out = subprocess.run([*buildah(), "from", "scratch"], capture_output=True, text=True)
     if out.returncode != 0:
         return f"buildah cannot run in this sandbox: {out.stderr.strip()}"
-    subprocess.run([*BUILDAH, "rm", out.stdout.strip()], capture_output=True)
+    subprocess.run([*buildah(), "rm", out.stdout.strip()], capture_output=True)
     return None
 
 
@@ -62,14 +70,14 @@ def container():
     env = {**os.environ, "HAI_IMAGE": IMAGE}
     build = subprocess.run([str(REPO / "deploy" / "build-image.sh")], cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     assert build.returncode == 0, build.stdout[-5000:] + build.stderr[-5000:]
-    ctr = subprocess.run([*BUILDAH, "from", IMAGE], capture_output=True, text=True, check=True).stdout.strip()
+    ctr = subprocess.run([*buildah(), "from", IMAGE], capture_output=True, text=True, check=True).stdout.strip()
     yield ctr
-    subprocess.run([*BUILDAH, "rm", ctr], capture_output=True)
+    subprocess.run([*buildah(), "rm", ctr], capture_output=True)
 
 
 def in_image(ctr: str, *argv: str, env: dict[str, str] | None = None) -> list[str]:
     flags = [f"--env={k}={v}" for k, v in (env or {}).items()]
-    return [*BUILDAH, "run", *ISOLATION, *flags, ctr, "--", *argv]
+    return [*buildah(), "run", *ISOLATION, *flags, ctr, "--", *argv]
 
 
 def test_hai_version_in_the_image(container):
