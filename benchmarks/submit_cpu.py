@@ -26,18 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from api_load import (BODY, HAI, Procs, free_port, loadavg, pg_urls, post_load, reset_postgres, seed_nodes,  # noqa: E402
-                      seed_users, wait_for)
+from api_load import (BODY, HAI, Procs, cpu_s, free_port, loadavg, pg_urls, post_load, reset_postgres,  # noqa: E402
+                      seed_nodes, seed_users, wait_for)
 
 from hai.settings import Settings  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
-
 
 def wakeups(redis_url: str):  # noqa: ANN201
     """Count the messages on the platform's notification channel from now on: returns a function
@@ -124,22 +116,22 @@ def main() -> None:
                 if args.callgrind:
                     subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True, capture_output=True)
                 heard = wakeups(redis_url)  # the notifications the server sends through Redis meanwhile
-                load0, c0, t0 = loadavg(), cpu_s(server.pid), time.perf_counter()
+                load0, c0, t0 = loadavg(), cpu_s([server.pid]), time.perf_counter()
                 blocks, per_block = [], max(1, args.jobs // args.blocks)
                 if args.in_flight > 1:  # one block, the load's threads in this process
                     per_block = args.jobs
-                    cb = cpu_s(server.pid)
+                    cb = cpu_s([server.pid])
                     load = post_load(lambda: httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"},
                                                           timeout=60), "/api/v1/jobs", BODY, args.jobs, args.in_flight,
                                      ok=(201,))
                     assert load["failed"] == 0, load["first_error"]
-                    blocks.append(1000 * (cpu_s(server.pid) - cb) / args.jobs)
+                    blocks.append(1000 * (cpu_s([server.pid]) - cb) / args.jobs)
                 for b in range(0, args.jobs if args.in_flight == 1 else 0, per_block):
-                    cb = cpu_s(server.pid)
+                    cb = cpu_s([server.pid])
                     for i in range(b, min(args.jobs, b + per_block)):
                         post(i)
-                    blocks.append(1000 * (cpu_s(server.pid) - cb) / (min(args.jobs, b + per_block) - b))
-                wall, cpu = time.perf_counter() - t0, cpu_s(server.pid) - c0
+                    blocks.append(1000 * (cpu_s([server.pid]) - cb) / (min(args.jobs, b + per_block) - b))
+                wall, cpu = time.perf_counter() - t0, cpu_s([server.pid]) - c0
                 messages = heard() if heard else None
                 if args.callgrind:
                     subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True, capture_output=True)
