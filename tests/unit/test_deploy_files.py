@@ -1,4 +1,5 @@
-"""docker-compose.yml is a valid Compose file describing the production stack."""
+"""The deploy files: docker-compose.yml is a valid Compose file describing the production stack; the
+grafana dashboard asks only for exported metrics; deploy/buildah-storage.sh picks the image build's storage."""
 
 from __future__ import annotations
 
@@ -43,3 +44,37 @@ def test_grafana_dashboard_queries_only_metrics_the_server_exports():
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"hai_[a-z_]+", t["expr"])}
     used |= {m for v in dash["templating"]["list"] for m in re.findall(r"hai_[a-z_]+", v["query"]["query"])}
     assert used and used <= exported, used - exported
+
+
+def _storage_choice(tmp_path: Path, overlay_mounts: bool, opts: str | None = None) -> str:
+    """deploy/buildah-storage.sh's answer with a stand-in `buildah` first on PATH: `from scratch`
+    works for either driver; `mount` works for vfs, and for overlay only when ``overlay_mounts``."""
+    fake = tmp_path / "bin" / "buildah"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path / "calls"}\n'
+        'case "$3" in\n'
+        "  from) echo ctr-$2 ;;\n"
+        f'  mount) [ "$2" = vfs ] || [ {int(overlay_mounts)} = 1 ] || exit 125; echo /mnt ;;\n'
+        "esac\n"
+    )
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", **({"BUILDAH_OPTS": opts} if opts else {})}
+    out = subprocess.run([str(REPO / "deploy" / "buildah-storage.sh")], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_buildah_storage_is_overlay_where_it_mounts_else_vfs_and_the_probe_container_is_removed(tmp_path):
+    assert _storage_choice(tmp_path / "a", overlay_mounts=True) == "--storage-driver overlay"
+    assert _storage_choice(tmp_path / "b", overlay_mounts=False) == "--storage-driver vfs"
+    for case in ("a", "b"):  # the probe's scratch container removed whether its mount worked or not
+        calls = (tmp_path / case / "calls").read_text().splitlines()
+        assert calls[-1] == "--storage-driver overlay rm ctr-overlay", calls
+
+
+def test_buildah_storage_takes_buildah_opts_as_given(tmp_path):
+    opts = "--storage-driver vfs --root /srv/containers"
+    assert _storage_choice(tmp_path, overlay_mounts=True, opts=opts) == opts
+    assert not (tmp_path / "calls").exists()  # nothing probed
