@@ -67,7 +67,8 @@ def container():
     reason = _buildah_usable()
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "HAI_IMAGE": IMAGE}
+    # the build in the very store this test reads (one probe, not one here and one in the script)
+    env = {**os.environ, "HAI_IMAGE": IMAGE, "BUILDAH_OPTS": " ".join(buildah()[1:])}
     build = subprocess.run([str(REPO / "deploy" / "build-image.sh")], cwd=REPO, env=env, capture_output=True, text=True, timeout=1700)
     assert build.returncode == 0, build.stdout[-5000:] + build.stderr[-5000:]
     ctr = subprocess.run([*buildah(), "from", IMAGE], capture_output=True, text=True, check=True).stdout.strip()
